@@ -1,0 +1,38 @@
+"""cas: a content-addressed object store for model state.
+
+``repo = cas.open(url)`` opens a store (a local path by default, or ``s3://bucket/prefix``);
+``repo.save(state, "runs/r1/ckpt_step00000100")`` and ``repo.load(...)`` move training state in and
+out without pickle; refs name manifests, manifests name chunks, chunks are stored once by blake3.
+"""
+
+from cas.errors import (
+    AlreadyExists,
+    BackendError,
+    CASError,
+    FormatError,
+    IntegrityError,
+    InvalidName,
+    LeaseExpired,
+    NotFound,
+    ReadOnlyError,
+    RefConflict,
+)
+from cas.repo import Repository, default_store_url, open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyExists",
+    "BackendError",
+    "CASError",
+    "FormatError",
+    "IntegrityError",
+    "InvalidName",
+    "LeaseExpired",
+    "NotFound",
+    "ReadOnlyError",
+    "RefConflict",
+    "Repository",
+    "default_store_url",
+    "open",
+]

@@ -1,0 +1,164 @@
+"""The BlobStore contract: a flat namespace of immutable-ish byte blobs under '/'-separated keys."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NewType
+
+from cas.errors import InvalidName
+
+Version = NewType("Version", str)
+"""An opaque token naming one stored version of a blob (an ETag on S3, a content hash locally)."""
+
+_KEY_SEGMENT_RE = re.compile(r"[A-Za-z0-9._%@+=,~-]+\Z")
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """What ``stat`` and ``list_info`` report about one blob."""
+
+    key: str
+    size: int
+    mtime: float
+    """Seconds since the epoch of the last write or ``touch``."""
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise InvalidName."""
+    if not key or key.startswith("/") or key.endswith("/"):
+        raise InvalidName(f"invalid blob key {key!r}")
+    for segment in key.split("/"):
+        if segment in ("", ".", "..") or not _KEY_SEGMENT_RE.match(segment):
+            raise InvalidName(f"invalid blob key {key!r}")
+    return key
+
+
+class BlobStore(ABC):
+    """A flat key -> bytes store; the only thing cas needs from a storage backend.
+
+    Contract every backend meets (``cas.testing.BlobStoreConformance`` checks it):
+
+    - ``put`` is atomic: a reader sees the old blob, no blob, or the whole new one, never a prefix.
+      A crash during ``put`` leaves no partial blob under ``key``.
+    - Read-after-write: once ``put`` returns, ``get``/``has``/``stat``/``list`` see the blob.
+    - Durability: blobs written with ``put`` survive a power loss once ``sync()`` has returned;
+      ``put_conditional`` and ``delete_conditional`` are durable when they return.
+    - A missing key raises ``cas.errors.NotFound`` from ``get``, ``get_range``, ``stat``;
+      ``delete`` of a missing key is not an error.
+    - Keys are '/'-separated relative paths (see ``check_key``); ``list(prefix)`` yields every key
+      that starts with ``prefix`` as a plain string prefix, in no particular order.
+    - Conditional writes are compare-and-swap on a ``Version``: ``put_conditional(key, data, None)``
+      creates only if absent, otherwise only if the current version equals ``expected``; a loser
+      gets ``cas.errors.PreconditionFailed`` and nothing changes.
+    - Backend failures are translated to ``cas.errors.BackendError`` (``TransientBackendError`` when
+      a retry may succeed) with ``raise ... from``.
+    """
+
+    url: str = ""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole blob."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Return bytes ``[start, end)`` of the blob (clamped to its size)."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` under ``key`` atomically, replacing any previous blob."""
+
+    @abstractmethod
+    def has(self, key: str) -> bool:
+        """Whether a blob exists under ``key``."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the blob if present."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Yield every key starting with ``prefix``."""
+
+    @abstractmethod
+    def stat(self, key: str) -> BlobInfo:
+        """Size and modification time of one blob."""
+
+    @abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, Version]:
+        """Return the blob and the version token to pass to ``put_conditional``."""
+
+    @abstractmethod
+    def put_conditional(
+        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
+    ) -> Version:
+        """Compare-and-swap write; ``expected=None`` means the key must not exist yet."""
+
+    @abstractmethod
+    def delete_conditional(self, key: str, expected: Version) -> None:
+        """Delete only if the current version is ``expected``."""
+
+    def touch(self, key: str) -> None:
+        """Refresh the blob's modification time so age-based GC treats it as new.
+
+        The default rewrites the blob; backends override it with something cheaper.
+        """
+        self.put(key, self.get(key))
+
+    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """``put`` of the concatenation of ``parts``; backends may avoid the copy."""
+        self.put(key, b"".join(parts))
+
+    def read_into(self, key: str, start: int, out: memoryview) -> int:
+        """Read up to ``len(out)`` bytes from ``start`` into ``out``; return the count read.
+
+        The default fetches a range; backends with files override it to avoid a copy.
+        """
+        data = self.get_range(key, start, start + len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether ``read_into`` is cheaper than ``get`` (local files), so readers prefer it."""
+        return False
+
+    def sync(self) -> None:
+        """Make every completed ``put`` durable. A no-op where puts are durable already."""
+
+    def list_info(self, prefix: str = "") -> Iterator[BlobInfo]:
+        """Yield ``BlobInfo`` for every key under ``prefix``; backends may batch this."""
+        for key in self.list(prefix):
+            try:
+                yield self.stat(key)
+            except FileNotFoundError:
+                continue
+
+    def has_many(self, keys: Iterable[str], workers: int = 16) -> dict[str, bool]:
+        """Existence of many keys at once."""
+        key_list = list(keys)
+        if len(key_list) < 4:
+            return {key: self.has(key) for key in key_list}
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return dict(zip(key_list, pool.map(self.has, key_list)))
+
+    @property
+    def supports_conditional_writes(self) -> bool:
+        """Whether compare-and-swap is safe against other processes and hosts."""
+        return True
+
+    def close(self) -> None:
+        """Release connections and file handles."""
+
+    def __enter__(self) -> BlobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,263 @@
+"""LocalBlobStore: blobs as files under a directory, written by temp file, fsync and rename."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from cas.blobstore.base import BlobInfo, BlobStore, Version, check_key
+from cas.digest import digest_of
+from cas.errors import BackendError, NotFound, PreconditionFailed
+
+TMP_DIR = "tmp"
+"""Temporary files live here, never under a final name; GC removes stale ones."""
+LOCK_DIR = "tmp/locks"
+
+
+class LocalBlobStore(BlobStore):
+    """Blobs as files below ``root``.
+
+    ``put`` writes ``root/tmp/<random>.tmp``, fsyncs it and renames it over the final name, so a
+    crash leaves at most a stray temp file. Directories touched by ``put`` are fsynced by ``sync``;
+    conditional writes hold an ``flock`` on a per-key lock file and fsync at once.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).absolute()
+        self.url = self.root.as_uri()
+        self._fsync = fsync
+        self._dirty_dirs: set[Path] = set()
+        self._dirty_lock = threading.Lock()
+        self._known_dirs: set[Path] = set()
+        try:
+            (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BackendError(f"cannot create store directory {self.root}: {e.strerror}") from e
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise NotFound(f"no blob {key!r}") from e
+        except IsADirectoryError as e:
+            raise NotFound(f"no blob {key!r}") from e
+        except OSError as e:
+            raise BackendError(f"reading {path}: {e.strerror}") from e
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(max(0, end - start))
+        except FileNotFoundError as e:
+            raise NotFound(f"no blob {key!r}") from e
+        except OSError as e:
+            raise BackendError(f"reading {path}: {e.strerror}") from e
+
+    def read_into(self, key: str, start: int, out: memoryview) -> int:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                total = 0
+                while total < len(out):
+                    n = f.readinto(out[total:])
+                    if not n:
+                        break
+                    total += n
+                return total
+        except FileNotFoundError as e:
+            raise NotFound(f"no blob {key!r}") from e
+        except OSError as e:
+            raise BackendError(f"reading {path}: {e.strerror}") from e
+
+    @property
+    def reads_in_place(self) -> bool:
+        return True
+
+    def path_of(self, key: str) -> Path:
+        """The file holding ``key`` (for mmap); it may not exist."""
+        return self._path(key)
+
+    def _ensure_parent(self, path: Path) -> None:
+        parent = path.parent
+        if parent not in self._known_dirs:
+            parent.mkdir(parents=True, exist_ok=True)
+            self._known_dirs.add(parent)
+
+    def _write_temp(self, *parts: bytes | bytearray | memoryview) -> Path:
+        tmp = self.root / TMP_DIR / f"{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+            if self._fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return tmp
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self.put_parts(key, (data,))
+
+    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        path = self._path(key)
+        try:
+            self._ensure_parent(path)
+            tmp = self._write_temp(*parts)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise BackendError(f"writing {path}: {e.strerror}") from e
+        with self._dirty_lock:
+            self._dirty_dirs.add(path.parent)
+
+    def sync(self) -> None:
+        with self._dirty_lock:
+            dirs, self._dirty_dirs = self._dirty_dirs, set()
+        if self._fsync:
+            for directory in dirs:
+                _fsync_dir(directory)
+
+    def has(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise BackendError(f"deleting {path}: {e.strerror}") from e
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        for info in self._walk(prefix, with_stat=False):
+            yield info.key
+
+    def list_info(self, prefix: str = "") -> Iterator[BlobInfo]:
+        yield from self._walk(prefix, with_stat=True)
+
+    def _walk(self, prefix: str, *, with_stat: bool) -> Iterator[BlobInfo]:
+        # Start at the deepest directory the prefix names so listing chunks/ab skips the rest.
+        base_dir, _, _ = prefix.rpartition("/")
+        start = self.root / base_dir if base_dir else self.root
+        root_len = len(str(self.root)) + 1
+        stack = [start]
+        while stack:
+            directory = stack.pop()
+            try:
+                entries = os.scandir(directory)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with entries:
+                for entry in entries:
+                    rel = entry.path[root_len:]
+                    if rel == TMP_DIR:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        if (rel + "/").startswith(prefix) or prefix.startswith(rel + "/"):
+                            stack.append(Path(entry.path))
+                    elif rel.startswith(prefix) and not entry.name.endswith(".tmp"):
+                        if with_stat:
+                            try:
+                                st = entry.stat()
+                            except FileNotFoundError:
+                                continue
+                            yield BlobInfo(rel, st.st_size, st.st_mtime)
+                        else:
+                            yield BlobInfo(rel, -1, 0.0)
+
+    def stat(self, key: str) -> BlobInfo:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError as e:
+            raise NotFound(f"no blob {key!r}") from e
+        return BlobInfo(key, st.st_size, st.st_mtime)
+
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError as e:
+            raise NotFound(f"no blob {key!r}") from e
+
+    @contextmanager
+    def _key_lock(self, key: str) -> Iterator[None]:
+        lock_path = self.root / LOCK_DIR / f"{digest_of(key.encode())[:32]}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _current_version(self, path: Path) -> Version | None:
+        try:
+            with open(path, "rb") as f:
+                return Version(digest_of(f.read()))
+        except FileNotFoundError:
+            return None
+
+    def get_versioned(self, key: str) -> tuple[bytes, Version]:
+        data = self.get(key)
+        return data, Version(digest_of(data))
+
+    def put_conditional(
+        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
+    ) -> Version:
+        path = self._path(key)
+        with self._key_lock(key):
+            current = self._current_version(path)
+            if current != expected:
+                raise PreconditionFailed(f"{key!r} changed (expected {expected}, found {current})")
+            try:
+                self._ensure_parent(path)
+                tmp = self._write_temp(data)
+                os.replace(tmp, path)
+                if self._fsync:
+                    _fsync_dir(path.parent)
+            except OSError as e:
+                raise BackendError(f"writing {path}: {e.strerror}") from e
+        return Version(digest_of(bytes(data)))
+
+    def delete_conditional(self, key: str, expected: Version) -> None:
+        path = self._path(key)
+        with self._key_lock(key):
+            current = self._current_version(path)
+            if current != expected:
+                raise PreconditionFailed(f"{key!r} changed (expected {expected}, found {current})")
+            path.unlink()
+            if self._fsync:
+                _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,133 @@
+"""Parallel chunk I/O: cut, hash and store buffers as chunks; fetch, verify and reassemble them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from cas.chunking import Cut
+from cas.codecs import Codec, EncodeHints
+from cas.manifest import ChunkRef
+from cas.objects import ObjectStore, PutResult
+
+Progress = Callable[[int], None]
+"""Called with a number of bytes just processed (for progress bars)."""
+
+
+@dataclass
+class WriteStats:
+    """What a write did: logical bytes in, chunks and stored bytes newly written, chunks reused."""
+
+    logical_bytes: int = 0
+    new_chunks: int = 0
+    new_bytes: int = 0
+    reused_chunks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, result: PutResult) -> None:
+        """Count one stored chunk."""
+        with self._lock:
+            self.logical_bytes += result.size
+            if result.new:
+                self.new_chunks += 1
+                self.new_bytes += result.stored_bytes
+            else:
+                self.reused_chunks += 1
+
+    def as_dict(self) -> dict[str, int]:
+        """Plain numbers for ``--json``."""
+        return {
+            "logical_bytes": self.logical_bytes,
+            "new_chunks": self.new_chunks,
+            "new_bytes": self.new_bytes,
+            "reused_chunks": self.reused_chunks,
+        }
+
+
+class ChunkIO:
+    """Runs chunk puts and gets on a shared thread pool (blake3, zstd and file I/O drop the GIL)."""
+
+    def __init__(self, objects: ObjectStore, workers: int = 8) -> None:
+        self.objects = objects
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The lazily created pool."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="cas-chunk")
+            return self._pool
+
+    def write_cuts(
+        self,
+        data: memoryview,
+        cuts: Sequence[Cut],
+        codec: Codec,
+        hints: Sequence[EncodeHints] | EncodeHints,
+        stats: WriteStats,
+        progress: Progress | None = None,
+    ) -> list[Future[ChunkRef]]:
+        """Submit one put per cut of ``data``; the futures resolve to ChunkRefs in cut order."""
+
+        def put_one(cut: Cut, hint: EncodeHints) -> ChunkRef:
+            result = self.objects.put_chunk(data[cut.offset : cut.offset + cut.size], codec, hint)
+            stats.add(result)
+            if progress is not None:
+                progress(cut.size)
+            return ChunkRef(result.digest, result.size)
+
+        per_cut = [hints] * len(cuts) if isinstance(hints, EncodeHints) else list(hints)
+        return [self.pool.submit(put_one, cut, hint) for cut, hint in zip(cuts, per_cut)]
+
+    def read_into(
+        self, chunks: Sequence[ChunkRef], out: memoryview, progress: Progress | None = None
+    ) -> list[Future[None]]:
+        """Submit verified reads of ``chunks`` laid end to end into ``out``."""
+
+        def get_one(ref: ChunkRef, offset: int) -> None:
+            self.objects.read_chunk_into(ref.digest, out[offset : offset + ref.size])
+            if progress is not None:
+                progress(ref.size)
+
+        futures = []
+        offset = 0
+        for ref in chunks:
+            futures.append(self.pool.submit(get_one, ref, offset))
+            offset += ref.size
+        return futures
+
+    def iter_chunks(
+        self, chunks: Iterable[ChunkRef], prefetch: int = 16
+    ) -> Iterator[bytes | memoryview]:
+        """Yield verified chunk bytes in order, fetching up to ``prefetch`` ahead."""
+        pending: list[Future[bytes | memoryview]] = []
+        for ref in chunks:
+            pending.append(self.pool.submit(self.objects.get_chunk, ref.digest))
+            if len(pending) >= prefetch:
+                yield pending.pop(0).result()
+        for future in pending:
+            yield future.result()
+
+    def close(self) -> None:
+        """Stop the pool."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def wait_all(futures: Iterable[Future[object]]) -> None:
+    """Wait for every future; re-raise the first failure after all have settled."""
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error

@@ -1,0 +1,129 @@
+"""The CLI's shared machinery: the root group, store option, error handling, JSON and progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from cas.errors import CASError
+
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+
+
+@dataclass
+class Context:
+    """What every command receives: the store URL and output preferences."""
+
+    store: str | None
+    endpoint_url: str | None
+    quiet: bool
+
+    def open(self, *, create: bool = True, readonly: bool = False) -> Any:
+        """Open the store (imported lazily so ``cas --help`` stays fast)."""
+        import cas
+
+        options: dict[str, Any] = {}
+        if self.endpoint_url:
+            options["endpoint_url"] = self.endpoint_url
+        return cas.open(self.store, create=create, readonly=readonly, **options)
+
+
+class CASGroup(click.Group):
+    """Turns cas errors and OS errors into one line on stderr and a non-zero exit."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except CASError as e:
+            _fail(f"{type(e).__name__}: {e}")
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+            _fail(f"{type(e).__name__}: {e.strerror or e}: {e.filename or ''}".rstrip(": "))
+        except KeyboardInterrupt:
+            _fail("interrupted", code=130)
+        except BrokenPipeError:
+            sys.exit(0)
+
+
+def _fail(message: str, code: int = EXIT_PROBLEM) -> None:
+    click.echo(f"cas: error: {message.splitlines()[0] if message else 'failed'}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=CASGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--store",
+    envvar="CAS_STORE",
+    metavar="URL",
+    help="Store location: a path, file://, s3://bucket/prefix or any fsspec URL "
+    "[env CAS_STORE; default ~/.local/share/cas/store].",
+)
+@click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", metavar="URL", help="S3-compatible endpoint.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.version_option(package_name="cas")
+@click.pass_context
+def cli(ctx: click.Context, store: str | None, endpoint_url: str | None, quiet: bool) -> None:
+    """cas: a content-addressed checkpoint store.
+
+    Checkpoints are stored as chunks keyed by blake3, named by refs such as
+    runs/20260115_143022_a1b2c3d4/phase2/ckpt_phase2_step00045000. Identical tensors are stored
+    once, copies cost nothing, and every byte read back is verified.
+
+    \b
+    Examples:
+      cas put checkpoint-500/ runs/r1/checkpoint-500     ingest an HF checkpoint directory
+      cas get runs/r1/checkpoint-500 restored/ --sha256   write it back byte-identical
+      cas ls runs/r1 --json                                list refs for scripts
+      cas cp runs/r1/ckpt_step00045000 gates/bc_best       a gate copy: writes no chunk
+      cas verify --full                                    re-hash every chunk
+    """
+    quiet = quiet or not sys.stderr.isatty() and os.environ.get("CAS_PROGRESS") != "1"
+    ctx.obj = Context(store, endpoint_url, quiet)
+
+
+def emit_json(value: Any) -> None:
+    """Print one JSON document on stdout."""
+    click.echo(json.dumps(value, indent=2, default=_json_default, sort_keys=False))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    if hasattr(value, "__dict__"):
+        return value.__dict__
+    return str(value)
+
+
+@contextmanager
+def progress_bar(obj: Context, total: int | None, desc: str) -> Iterator[Callable[[int], None]]:
+    """A tqdm byte counter on stderr (silent with --quiet or when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    with tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+        disable=obj.quiet, file=sys.stderr, leave=False,
+    ) as bar:
+        yield bar.update
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="cas")

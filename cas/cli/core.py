@@ -1,0 +1,267 @@
+"""Core commands: init, put, get, ls, show, log, cp, rm, diff, verify."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cas.cli.app import Context, cli, emit_json, human_bytes, progress_bar
+
+pass_ctx = click.make_pass_decorator(Context)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@cli.command()
+@click.option("--chunk-size", type=int, default=None, help="Tensor chunk size in bytes [4 MiB].")
+@click.option("--codec", default=None, help="Default codec for new chunks [raw].")
+@json_option
+@pass_ctx
+def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool) -> None:
+    """Create a store (other commands create one on first use too)."""
+    from dataclasses import replace
+
+    from cas.codecs import codec_by_name
+    from cas.config import StoreConfig
+
+    config = StoreConfig()
+    if chunk_size:
+        config = replace(config, chunk_size=chunk_size)
+    if codec:
+        codec_by_name(codec)
+        config = replace(config, codec=codec)
+    import cas
+
+    repo = cas.open(obj.store, config=config.validate())
+    if as_json:
+        emit_json({"store": repo.url, "config": repo.config.__dict__})
+    else:
+        click.echo(f"store {repo.url} (chunk size {human_bytes(repo.config.chunk_size)}, codec {repo.config.codec})")
+
+
+@cli.command()
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("ref")
+@click.option("-m", "--meta", multiple=True, metavar="KEY=VALUE", help="Metadata to record (repeatable).")
+@click.option("--allow-pickles", is_flag=True, help="Store files that are not weights-only pickles as opaque bytes (never loaded).")
+@click.option("--codec", default=None, help="Codec for new chunks (default: the store's).")
+@json_option
+@pass_ctx
+def put(obj: Context, path: Path, ref: str, meta: tuple[str, ...], allow_pickles: bool, codec: str | None, as_json: bool) -> None:
+    """Ingest PATH (a .pt, .safetensors, any file, or a directory) under REF.
+
+    Known formats are cut at tensor boundaries, so their tensors share chunks with the same
+    tensors saved from Python. `.pt` files are checked with weights_only loading: a pickle that
+    would run code is refused.
+    """
+    metadata = _parse_meta(meta)
+    repo = obj.open()
+    with progress_bar(obj, _tree_size(path), f"put {path.name}") as update:
+        digest = repo.put_path(path, ref, metadata, allow_opaque_pickles=allow_pickles, codec=codec, progress=update)
+    stats = repo.last_write.as_dict()
+    if as_json:
+        emit_json({"ref": ref, "manifest": digest, **stats})
+    else:
+        click.echo(
+            f"{ref} -> {digest[:16]}  {human_bytes(stats['logical_bytes'])} in, "
+            f"{human_bytes(stats['new_bytes'])} new ({stats['new_chunks']} new chunks, "
+            f"{stats['reused_chunks']} reused)"
+        )
+
+
+def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--meta")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+@cli.command()
+@click.argument("ref")
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default=None, help="Export a state saved from Python as this format [pt].")
+@click.option("--sha256", is_flag=True, help="Also write GNU coreutils .sha256 sidecars (sha256sum -c).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite existing files.")
+@json_option
+@pass_ctx
+def get(obj: Context, ref: str, dest: Path, fmt: str | None, sha256: bool, force: bool, as_json: bool) -> None:
+    """Write REF to DEST: ingested files come back byte-identical.
+
+    REF may be a name, NAME~N (N versions back) or a manifest digest.
+    """
+    repo = obj.open(create=False)
+    manifest = repo.manifest(ref)
+    with progress_bar(obj, manifest.logical_bytes(), f"get {ref}") as update:
+        written = repo.get_path(ref, dest, fmt=fmt, sha256=sha256, overwrite=force, progress=update)
+    if as_json:
+        emit_json({"ref": ref, "written": [str(p) for p in written]})
+    else:
+        for path in written:
+            click.echo(str(path))
+
+
+@cli.command(name="ls")
+@click.argument("prefix", default="")
+@click.option("-l", "--long", "long_", is_flag=True, help="Show size, time and metadata.")
+@json_option
+@pass_ctx
+def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
+    """List refs under PREFIX (a prefix like runs/r1, or a glob like 'runs/*/phase2/**')."""
+    repo = obj.open(create=False, readonly=True)
+    records = repo.refs(prefix)
+    rows = []
+    for record in records:
+        row: dict[str, Any] = {"ref": record.name, "manifest": record.target, "updated": record.history[-1].time}
+        if long_ or as_json:
+            manifest = repo.manifest(record.target)
+            row.update(kind=manifest.kind, logical_bytes=manifest.logical_bytes(), meta=manifest.meta)
+        rows.append(row)
+    if as_json:
+        emit_json(rows)
+        return
+    for row in rows:
+        if long_:
+            step = row["meta"].get("step", "")
+            click.echo(f"{row['manifest'][:12]}  {_when(row['updated'])}  {human_bytes(row['logical_bytes']):>10}  {step!s:>8}  {row['ref']}")
+        else:
+            click.echo(row["ref"])
+
+
+@cli.command()
+@click.argument("ref")
+@json_option
+@pass_ctx
+def show(obj: Context, ref: str, as_json: bool) -> None:
+    """Metadata and tensor table of REF, read from the manifest alone (no tensor data)."""
+    repo = obj.open(create=False, readonly=True)
+    info = repo.show(ref)
+    if as_json:
+        emit_json(info)
+        return
+    click.echo(f"ref       {info['ref']}\nmanifest  {info['manifest']}\nkind      {info['kind']}")
+    click.echo(f"created   {_when(info['created_at'])}\nparent    {info['parent'] or '-'}")
+    click.echo(f"size      {human_bytes(info['logical_bytes'])} in {info['chunks']} chunks")
+    for key, value in info["meta"].items():
+        click.echo(f"meta      {key} = {value}")
+    for path, f in info["files"].items():
+        click.echo(f"file      {path}  {f['format']}  {human_bytes(f['size'])}")
+    if info["tensors"]:
+        click.echo(f"{'dtype':<14} {'shape':<22} {'bytes':>10}  path")
+        for t in info["tensors"]:
+            click.echo(f"{t['dtype']:<14} {str(list(t['shape'])):<22} {human_bytes(t['nbytes']):>10}  {t['path']}")
+
+
+@cli.command()
+@click.argument("ref")
+@json_option
+@pass_ctx
+def log(obj: Context, ref: str, as_json: bool) -> None:
+    """History of REF, newest first (REF~N addresses entry N)."""
+    repo = obj.open(create=False, readonly=True)
+    events = repo.log(ref)
+    if as_json:
+        emit_json([{"n": i, "manifest": e.target, "time": e.time, "op": e.op, "message": e.message} for i, e in enumerate(events)])
+        return
+    for i, e in enumerate(events):
+        click.echo(f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}")
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--only", multiple=True, metavar="GLOB", help="Keep only entries matching (e.g. 'model.*'): a weights-only snapshot.")
+@json_option
+@pass_ctx
+def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], as_json: bool) -> None:
+    """Point DST at SRC's checkpoint: a gate or pool copy that writes no chunk."""
+    repo = obj.open(create=False)
+    digest = repo.cp(src, dst, only=list(only) or None)
+    if as_json:
+        emit_json({"ref": dst, "manifest": digest})
+    else:
+        click.echo(f"{dst} -> {digest[:16]}")
+
+
+@cli.command()
+@click.argument("refs", nargs=-1, required=True)
+@json_option
+@pass_ctx
+def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
+    """Delete refs. Their chunks stay until `cas gc` finds them unreferenced."""
+    repo = obj.open(create=False)
+    removed = [{"ref": r, "manifest": repo.rm(r)} for r in refs]
+    if as_json:
+        emit_json(removed)
+    else:
+        for row in removed:
+            click.echo(f"removed {row['ref']} (was {row['manifest'][:16]})")
+
+
+@cli.command()
+@click.argument("a")
+@click.argument("b")
+@json_option
+@pass_ctx
+def diff(obj: Context, a: str, b: str, as_json: bool) -> None:
+    """Entries that differ between checkpoints A and B (compared by chunk digests)."""
+    repo = obj.open(create=False, readonly=True)
+    changes = repo.diff(a, b)
+    if as_json:
+        emit_json([c.__dict__ for c in changes])
+        return
+    marks = {"added": "+", "removed": "-", "changed": "M", "retyped": "T"}
+    for c in changes:
+        click.echo(f"{marks[c.change]} {c.path}")
+    if not changes:
+        click.echo("no differences")
+
+
+@cli.command()
+@click.argument("refs", nargs=-1)
+@click.option("--full", is_flag=True, help="Re-read and re-hash every chunk.")
+@click.option("--sample", type=click.FloatRange(0, 100, min_open=True), default=None, metavar="PCT", help="Re-hash a rotating PCT% of chunks.")
+@json_option
+@pass_ctx
+def verify(obj: Context, refs: tuple[str, ...], full: bool, sample: float | None, as_json: bool) -> None:
+    """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem."""
+    from cas.verify import verify as run_verify
+
+    repo = obj.open(create=False, readonly=not sample)
+    level = "full" if full else "sample" if sample else "existence"
+    with progress_bar(obj, None, "verify") as update:
+        report = run_verify(repo, refs or ("",), level=level, sample_pct=sample or 0.0, progress=update)
+    if as_json:
+        emit_json({"ok": report.ok, "level": level, "refs": report.refs, "manifests": report.manifests,
+                   "chunks": report.chunks, "rehashed_chunks": report.rehashed_chunks,
+                   "rehashed_bytes": report.rehashed_bytes, "problems": [p.__dict__ for p in report.problems]})
+    else:
+        for problem in report.problems:
+            click.echo(f"PROBLEM {problem}", err=True)
+        click.echo(
+            f"{'ok' if report.ok else 'FAILED'}: {report.refs} refs, {report.manifests} manifests, "
+            f"{report.chunks} chunks present-checked, {report.rehashed_chunks} re-hashed "
+            f"({human_bytes(report.rehashed_bytes)}), {len(report.problems)} problems"
+        )
+    if not report.ok:
+        sys.exit(1)

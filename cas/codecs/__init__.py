@@ -1,0 +1,43 @@
+"""Chunk codecs by registered id: raw, zstd, byte-grouped zstd, XOR delta."""
+
+from __future__ import annotations
+
+from cas.codecs.base import BaseFetcher, Codec, EncodeHints
+from cas.codecs.raw import RawCodec
+from cas.codecs.zstd import ZstdCodec
+from cas.errors import FormatError
+
+__all__ = ["BaseFetcher", "Codec", "EncodeHints", "codec_by_id", "codec_by_name", "register"]
+
+_BY_ID: dict[int, Codec] = {}
+_BY_NAME: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    """Add a codec to the registry; ids and names are unique forever."""
+    if codec.codec_id in _BY_ID or codec.name in _BY_NAME:
+        raise ValueError(f"codec id {codec.codec_id} / name {codec.name!r} already registered")
+    _BY_ID[codec.codec_id] = codec
+    _BY_NAME[codec.name] = codec
+    return codec
+
+
+def codec_by_id(codec_id: int) -> Codec:
+    """The codec with a registered id; an unknown id is a FormatError."""
+    try:
+        return _BY_ID[codec_id]
+    except KeyError:
+        raise FormatError(f"unknown codec id {codec_id} (written by a newer cas?)") from None
+
+
+def codec_by_name(name: str) -> Codec:
+    """The codec with a registered name; an unknown name is a FormatError."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        known = ", ".join(sorted(_BY_NAME))
+        raise FormatError(f"unknown codec {name!r} (known: {known})") from None
+
+
+register(RawCodec())
+register(ZstdCodec())

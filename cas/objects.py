@@ -1,0 +1,214 @@
+"""Content-addressed objects: hash, encode and put chunks and manifests; get re-hashes and verifies.
+
+Every stored object is an envelope::
+
+    offset  size  field
+    0       4     magic b"CASo"
+    4       1     envelope version (1)
+    5       1     codec id (cas.codecs; ids are never reused)
+    6       2     length P of the codec parameters (u16, little-endian)
+    8       8     decoded size (u64, little-endian)
+    16      P     codec parameters
+    16+P    ...   payload
+
+and is stored under the blake3 digest of its *decoded* bytes, so the key never depends on the
+codec. Chunks live under ``chunks/<d[:2]>/<d>``, manifests under ``manifests/<d[:2]>/<d>``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from cas.blobstore.base import BlobStore
+from cas.codecs import Codec, EncodeHints, codec_by_id
+from cas.digest import Digest, digest_of
+from cas.errors import FormatError, IntegrityError, NotFound
+
+OBJECT_MAGIC = b"CASo"
+OBJECT_VERSION = 1
+_HEADER = struct.Struct("<4sBBHQ")
+HEADER_SIZE = _HEADER.size
+MAX_PARAMS = 4096
+MAX_DELTA_DEPTH = 64
+"""A base chain deeper than this is treated as corrupt (a cycle or a hostile store)."""
+
+
+def chunk_key(digest: Digest) -> str:
+    """The blob key of a chunk."""
+    return f"chunks/{digest[:2]}/{digest}"
+
+
+def manifest_key(digest: Digest) -> str:
+    """The blob key of a manifest."""
+    return f"manifests/{digest[:2]}/{digest}"
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A parsed object header."""
+
+    codec_id: int
+    decoded_size: int
+    params: bytes
+    payload_offset: int
+
+
+def parse_envelope(data: bytes | memoryview, max_decoded_size: int) -> Envelope:
+    """Parse and bound-check an object header."""
+    if len(data) < HEADER_SIZE:
+        raise FormatError("object shorter than its header")
+    magic, version, codec_id, params_len, decoded_size = _HEADER.unpack_from(data, 0)
+    if magic != OBJECT_MAGIC:
+        raise FormatError("not a cas object (bad magic)")
+    if version != OBJECT_VERSION:
+        raise FormatError(f"object envelope version {version} is not supported (expected 1)")
+    if params_len > MAX_PARAMS or HEADER_SIZE + params_len > len(data):
+        raise FormatError("object header parameters out of bounds")
+    if decoded_size > max_decoded_size:
+        raise FormatError(f"object declares {decoded_size} bytes, above the limit {max_decoded_size}")
+    params = bytes(data[HEADER_SIZE : HEADER_SIZE + params_len])
+    return Envelope(codec_id, decoded_size, params, HEADER_SIZE + params_len)
+
+
+def encode_header(codec: Codec, params: bytes, decoded_size: int) -> bytes:
+    """The header bytes that precede a payload."""
+    return _HEADER.pack(OBJECT_MAGIC, OBJECT_VERSION, codec.codec_id, len(params), decoded_size) + params
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What storing one chunk did: ``stored_bytes`` is 0 when the chunk already existed."""
+
+    digest: Digest
+    size: int
+    stored_bytes: int
+    new: bool
+
+
+class ObjectStore:
+    """Chunks and manifests on a BlobStore: dedup on put, verification on get.
+
+    ``put_chunk`` of a chunk that already exists writes nothing but refreshes its modification
+    time, so an age-based GC sweep running concurrently spares it (dulwich's "freshen").
+    """
+
+    def __init__(self, blobs: BlobStore, *, max_object_size: int = 256 << 20) -> None:
+        self.blobs = blobs
+        self.max_object_size = max_object_size
+
+    def has_chunk(self, digest: Digest) -> bool:
+        """Whether the chunk is stored."""
+        return self.blobs.has(chunk_key(digest))
+
+    def put_chunk(
+        self,
+        data: memoryview | bytes,
+        codec: Codec,
+        hints: EncodeHints = EncodeHints(),
+        digest: Digest | None = None,
+        *,
+        freshen: bool = True,
+    ) -> PutResult:
+        """Store one chunk unless present; return its digest and the bytes written."""
+        view = memoryview(data).cast("B")
+        digest = digest or digest_of(view)
+        key = chunk_key(digest)
+        if self.blobs.has(key):
+            if freshen:
+                try:
+                    self.blobs.touch(key)
+                except FileNotFoundError:
+                    pass  # swept between has() and touch(): fall through and write it again
+                else:
+                    return PutResult(digest, len(view), 0, False)
+            else:
+                return PutResult(digest, len(view), 0, False)
+        params, payload = codec.encode(view, hints)
+        header = encode_header(codec, params, len(view))
+        self.blobs.put_parts(key, (header, payload))
+        return PutResult(digest, len(view), len(header) + len(payload), True)
+
+    def stored_size(self, digest: Digest) -> int:
+        """Bytes the chunk occupies in the store."""
+        return self.blobs.stat(chunk_key(digest)).size
+
+    def get_chunk(self, digest: Digest, _depth: int = 0) -> bytes | memoryview:
+        """The verified decoded bytes of a chunk; IntegrityError if they do not hash to ``digest``."""
+        key = chunk_key(digest)
+        blob = self.blobs.get(key)
+        decoded = self._decode(digest, blob, _depth)
+        if digest_of(decoded) != digest:
+            raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+        return decoded
+
+    def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
+        """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes.
+
+        On stores that read in place (local files) a raw chunk goes straight from the file into
+        ``out`` with no intermediate copy.
+        """
+        key = chunk_key(digest)
+        if self.blobs.reads_in_place:
+            header = bytearray(HEADER_SIZE)
+            got = self.blobs.read_into(key, 0, memoryview(header))
+            try:
+                envelope = parse_envelope(bytes(header[:got]), self.max_object_size)
+            except FormatError as e:
+                raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
+            if envelope.codec_id == 0 and envelope.decoded_size == len(out):
+                got = self.blobs.read_into(key, HEADER_SIZE, out)
+                if got != len(out) or digest_of(out) != digest:
+                    raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+                return
+        decoded = self.get_chunk(digest)
+        if len(decoded) != len(out):
+            raise IntegrityError(f"chunk {digest} has {len(decoded)} bytes, manifest says {len(out)}")
+        out[:] = decoded
+
+    def _decode(self, digest: Digest, blob: bytes, depth: int) -> bytes | memoryview:
+        if depth > MAX_DELTA_DEPTH:
+            raise IntegrityError(f"chunk {digest}: delta chain deeper than {MAX_DELTA_DEPTH}")
+        try:
+            envelope = parse_envelope(blob, self.max_object_size)
+            codec = codec_by_id(envelope.codec_id)
+            payload = memoryview(blob)[envelope.payload_offset :]
+            return codec.decode(
+                envelope.params,
+                payload,
+                envelope.decoded_size,
+                lambda base: self.get_chunk(base, depth + 1),
+            )
+        except FormatError as e:
+            raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
+
+    def chunk_base(self, digest: Digest) -> Digest | None:
+        """The base chunk a delta-encoded chunk depends on, read from its header only."""
+        head = self.blobs.get_range(chunk_key(digest), 0, HEADER_SIZE + MAX_PARAMS)
+        try:
+            envelope = parse_envelope(head, self.max_object_size)
+        except FormatError as e:
+            raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
+        return codec_by_id(envelope.codec_id).base_of(envelope.params)
+
+    def put_manifest(self, data: bytes, codec: Codec) -> Digest:
+        """Store an encoded manifest; return its digest."""
+        digest = digest_of(data)
+        key = manifest_key(digest)
+        if not self.blobs.has(key):
+            params, payload = codec.encode(memoryview(data), EncodeHints(level=3))
+            self.blobs.put_parts(key, (encode_header(codec, params, len(data)), payload))
+        else:
+            self.blobs.touch(key)
+        return digest
+
+    def get_manifest(self, digest: Digest) -> bytes:
+        """The verified bytes of a manifest."""
+        try:
+            blob = self.blobs.get(manifest_key(digest))
+        except NotFound as e:
+            raise NotFound(f"manifest {digest} is missing from the store") from e
+        decoded = bytes(self._decode(digest, blob, 0))
+        if digest_of(decoded) != digest:
+            raise IntegrityError(f"manifest {digest} is corrupt: its bytes hash to something else")
+        return decoded
