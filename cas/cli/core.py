@@ -56,7 +56,7 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.argument("ref")
 @click.option("-m", "--meta", multiple=True, metavar="KEY=VALUE", help="Metadata to record (repeatable).")
-@click.option("--allow-pickles", is_flag=True, help="Store files that are not weights-only pickles as opaque bytes (never loaded).")
+@click.option("--allow-opaque-pickles", "allow_pickles", is_flag=True, help="Store pickles that are not weights-only (e.g. HF training_args.bin) as opaque bytes; cas never loads them.")
 @click.option("--codec", default=None, help="Codec for new chunks (default: the store's).")
 @json_option
 @pass_ctx

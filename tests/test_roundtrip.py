@@ -1,0 +1,153 @@
+"""Invariant 8: what comes out of the store is byte-identical to what went in."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cas
+from tests.helpers import assert_bit_exact, small_chunk_repo, trained_state
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Every bit pattern is possible, NaN payloads and denormals included."""
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = int(np.prod(shape)) if shape else 1
+    raw = torch.randint(0, 256, (count * itemsize,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_round_trips_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    repo = small_chunk_repo(tmp_path / "store", chunk_size=4096)
+    state = {
+        "big": _random_bits((300, 70), dtype, 1),
+        "scalar": _random_bits((), dtype, 2),
+        "empty": torch.empty((0, 3), dtype=dtype),
+        "row": _random_bits((7,), dtype, 3),
+    }
+    repo.save(state, "t/dtypes")
+    assert_bit_exact(state, repo.load("t/dtypes"))
+
+
+def test_special_float_values_survive(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "store")
+    specials = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, -1e-45, 5e-324])
+    payload_nans = torch.tensor([0x7FC00001, 0x7F800001, 0xFFC12345], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    state = {"f64": specials.double(), "f32": torch.cat([specials.float(), payload_nans]), "bf16": specials.bfloat16()}
+    repo.save(state, "t/special")
+    assert_bit_exact(state, repo.load("t/special"))
+
+
+def test_non_contiguous_and_storage_sharing_views(tmp_path: Path) -> None:
+    repo = small_chunk_repo(tmp_path / "store", chunk_size=4096)
+    base = torch.randn(64, 128)
+    state = {
+        "transposed": base.t(),
+        "strided": base[::3, 1::2],
+        "slice": base[10:20],
+        "expanded": torch.randn(1, 16).expand(32, 16),
+        "conj": torch.randn(8, dtype=torch.complex64).conj(),
+        "base": base,
+    }
+    repo.save(state, "t/views")
+    back = repo.load("t/views")
+    for key, value in state.items():
+        assert torch.equal(back[key], value.resolve_conj()), key
+    assert back["strided"].is_contiguous()
+
+
+def test_tied_weights_come_back_tied(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "store")
+    embedding = torch.randn(100, 32)
+    repo.save({"embed": embedding, "lm_head": embedding}, "t/tied")
+    back = repo.load("t/tied")
+    assert back["embed"] is back["lm_head"]
+    assert len(repo.manifest("t/tied").tensors) == 1
+
+
+def test_real_adamw_training_state_round_trips(tmp_path: Path) -> None:
+    repo = small_chunk_repo(tmp_path / "store")
+    state = trained_state(steps=5, width=96)
+    state["numpy_rng"] = np.random.default_rng(7).bit_generator.state
+    state["legacy_numpy_rng"] = np.random.RandomState(3).get_state()
+    state["python_rng"] = random.Random(5).getstate()
+    state["metrics"] = {"loss": np.float32(0.25), "accuracy": 0.9, "nan": float("nan")}
+    state["flags"] = [True, None, b"\x00\x01", 2**70, -(2**63), torch.bfloat16, torch.device("cpu")]
+    repo.save(state, "runs/r1/ckpt_step00000005", metadata={"step": 5, "phase": 1})
+    back = repo.load("runs/r1/ckpt_step00000005")
+    assert_bit_exact(state, back)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 192), torch.nn.GELU(), torch.nn.Linear(192, 8))
+    model.load_state_dict(back["model"], strict=True)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(back["optimizer"])
+    assert opt.state_dict()["state"][0]["exp_avg_sq"].equal(state["optimizer"]["state"][0]["exp_avg_sq"])
+    restored = random.Random()
+    restored.setstate(back["python_rng"])
+    reference = random.Random(5)
+    assert restored.random() == reference.random()
+
+
+def test_int_keys_tuples_and_order_preserved(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "store")
+    state = {3: "three", "b": (1, [2, {"x": None}]), 1: 1.5, "a": []}
+    repo.save(state, "t/plain")
+    back = repo.load("t/plain")
+    assert_bit_exact(state, back)
+    assert list(back) == [3, "b", 1, "a"]
+
+
+def test_keys_selection_reads_only_needed_chunks(tmp_path: Path) -> None:
+    repo = small_chunk_repo(tmp_path / "store", chunk_size=4096)
+    state = trained_state(width=64)
+    repo.save(state, "t/sel")
+    manifest = repo.manifest("t/sel")
+    reads: list[str] = []
+    original = repo.objects.read_chunk_into
+
+    def counting(digest, out):  # type: ignore[no-untyped-def]
+        reads.append(digest)
+        return original(digest, out)
+
+    repo.objects.read_chunk_into = counting  # type: ignore[method-assign]
+    back = repo.load("t/sel", keys="model.*")
+    assert set(back) == {"model"}
+    assert_bit_exact(state["model"], back["model"])
+    model_chunks = {c.digest for t in manifest.tensors[:4] for c in t.chunks}
+    assert reads and set(reads) <= model_chunks
+
+
+def test_mmap_load_of_local_raw_store(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "store")
+    state = {"w": torch.randn(256, 256), "small": torch.arange(10)}
+    repo.save(state, "t/mm")
+    back = repo.load("t/mm", mmap=True)
+    assert_bit_exact(state, back)
+    back["w"].add_(1)  # copy-on-write: the stored chunk is untouched
+    assert_bit_exact(state, repo.load("t/mm"))
+
+
+def test_map_location_and_unsupported_values(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "store")
+    repo.save({"w": torch.ones(3)}, "t/ml")
+    assert repo.load("t/ml", map_location="cpu")["w"].device.type == "cpu"
+    with pytest.raises(cas.FormatError, match="never pickles"):
+        repo.save({"bad": object()}, "t/bad")
+    with pytest.raises(cas.FormatError, match="objects"):
+        repo.save({"bad": np.array([object()])}, "t/bad")
+    with pytest.raises(cas.NotFound):
+        repo.resolve("t/bad")
