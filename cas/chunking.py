@@ -33,7 +33,9 @@ def fixed_cuts(length: int, chunk_size: int, start: int = 0) -> list[Cut]:
     ]
 
 
-def cdc_cuts(data: memoryview | bytes, avg_size: int = DEFAULT_CDC_AVG, start: int = 0) -> list[Cut]:
+def cdc_cuts(
+    data: memoryview | bytes, avg_size: int = DEFAULT_CDC_AVG, start: int = 0
+) -> list[Cut]:
     """Content-defined cuts (FastCDC) of an opaque byte run."""
     if len(data) == 0:
         return []

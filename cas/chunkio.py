@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from cas.chunking import Cut
 from cas.codecs import Codec, EncodeHints
@@ -82,7 +83,7 @@ class ChunkIO:
             return ChunkRef(result.digest, result.size)
 
         per_cut = [hints] * len(cuts) if isinstance(hints, EncodeHints) else list(hints)
-        return [self.pool.submit(put_one, cut, hint) for cut, hint in zip(cuts, per_cut)]
+        return [self.pool.submit(put_one, cut, hint) for cut, hint in zip(cuts, per_cut, strict=False)]
 
     def read_into(
         self, chunks: Sequence[ChunkRef], out: memoryview, progress: Progress | None = None
@@ -121,7 +122,7 @@ class ChunkIO:
                 self._pool = None
 
 
-def wait_all(futures: Iterable[Future[object]]) -> None:
+def wait_all(futures: Iterable[Future[Any]]) -> None:
     """Wait for every future; re-raise the first failure after all have settled."""
     error: BaseException | None = None
     for future in futures:

@@ -29,13 +29,15 @@ def export_files(
     """Write an ingested file or directory back; a single file goes to ``dest`` or ``dest/name``."""
     single = manifest.meta.get("source") == "file" and len(manifest.files) == 1
     if single:
-        (rel, entry), = manifest.files.items()
+        ((rel, entry),) = manifest.files.items()
         target = dest / rel if dest.is_dir() else dest
         targets = [(target, entry)]
     else:
         if dest.exists() and not dest.is_dir():
             raise AlreadyExists(f"{dest} exists and is not a directory")
-        targets = [(dest / check_relative_path(rel), e) for rel, e in sorted(manifest.files.items())]
+        targets = [
+            (dest / check_relative_path(rel), e) for rel, e in sorted(manifest.files.items())
+        ]
     if not overwrite:
         clashes = [str(t) for t, _ in targets if t.exists()]
         if clashes:

@@ -130,7 +130,12 @@ def _pack_chunks(chunks: tuple[ChunkRef, ...]) -> list[list[Any]]:
 
 
 def _pack_tensor(t: TensorEntry) -> dict[str, Any]:
-    doc: dict[str, Any] = {"kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+    doc: dict[str, Any] = {
+        "kind": t.kind,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "nbytes": t.nbytes,
+    }
     if t.inline is not None:
         doc["inline"] = t.inline
     else:
@@ -166,7 +171,8 @@ def encode_manifest(manifest: Manifest) -> bytes:
             for path, e in sorted(manifest.files.items())
         }
     try:
-        return msgpack.packb(doc, use_bin_type=True, strict_types=False)
+        packed: bytes = msgpack.packb(doc, use_bin_type=True, strict_types=False)
+        return packed
     except (TypeError, ValueError, OverflowError) as e:
         raise FormatError(f"cannot encode manifest: {e}") from e
 
@@ -182,7 +188,9 @@ def _unpack_chunks(raw: Any, total: int | None) -> tuple[ChunkRef, ...]:
     for item in raw:
         _expect(isinstance(item, list) and len(item) == 2, "chunk ref is not [digest, size]")
         digest_raw, size = item
-        _expect(isinstance(digest_raw, bytes) and isinstance(size, int) and size >= 0, "bad chunk ref")
+        _expect(
+            isinstance(digest_raw, bytes) and isinstance(size, int) and size >= 0, "bad chunk ref"
+        )
         chunks.append(ChunkRef(parse_digest(digest_raw), size))
     if total is not None:
         _expect(sum(c.size for c in chunks) == total, "chunk sizes do not add up to the size")
@@ -191,7 +199,12 @@ def _unpack_chunks(raw: Any, total: int | None) -> tuple[ChunkRef, ...]:
 
 def _unpack_tensor(raw: Any) -> TensorEntry:
     _expect(isinstance(raw, dict), "tensor entry is not a map")
-    kind, dtype, shape, nbytes = raw.get("kind"), raw.get("dtype"), raw.get("shape"), raw.get("nbytes")
+    kind, dtype, shape, nbytes = (
+        raw.get("kind"),
+        raw.get("dtype"),
+        raw.get("shape"),
+        raw.get("nbytes"),
+    )
     _expect(kind in TENSOR_KINDS, f"unknown tensor kind {kind!r}")
     _expect(isinstance(dtype, str) and len(dtype) < 64, "bad dtype")
     _expect(isinstance(shape, list) and len(shape) <= MAX_DIMS, "bad shape")
@@ -199,12 +212,16 @@ def _unpack_tensor(raw: Any) -> TensorEntry:
     _expect(isinstance(nbytes, int) and nbytes >= 0, "bad nbytes")
     if kind == "torch":
         _expect(dtype in ITEMSIZE, f"unknown torch dtype {dtype!r}")
-        _expect(nbytes == math.prod(shape) * ITEMSIZE[dtype], "nbytes does not match dtype and shape")
+        _expect(
+            nbytes == math.prod(shape) * ITEMSIZE[dtype], "nbytes does not match dtype and shape"
+        )
     encoding = raw.get("encoding")
     _expect(encoding is None or isinstance(encoding, dict), "bad encoding")
     if "inline" in raw:
         inline = raw["inline"]
-        _expect(isinstance(inline, bytes) and len(inline) == nbytes, "inline bytes do not match nbytes")
+        _expect(
+            isinstance(inline, bytes) and len(inline) == nbytes, "inline bytes do not match nbytes"
+        )
         return TensorEntry(kind, dtype, tuple(shape), nbytes, (), inline, encoding)
     chunks = _unpack_chunks(raw.get("chunks"), nbytes)
     return TensorEntry(kind, dtype, tuple(shape), nbytes, chunks, None, encoding)
@@ -220,10 +237,15 @@ def _unpack_file(raw: Any, tensor_count: int) -> FileEntry:
     for item in raw.get("regions", []):
         _expect(isinstance(item, list) and len(item) == 3, "bad file region")
         name, index, offset = item
-        _expect(isinstance(name, str) and isinstance(index, int) and 0 <= index < tensor_count, "bad region")
+        _expect(
+            isinstance(name, str) and isinstance(index, int) and 0 <= index < tensor_count,
+            "bad region",
+        )
         _expect(isinstance(offset, int) and 0 <= offset <= size, "bad region offset")
         regions.append(FileRegion(name, index, offset))
-    return FileEntry(size, fmt, _unpack_chunks(raw.get("chunks"), size), tuple(regions), mode & 0o777)
+    return FileEntry(
+        size, fmt, _unpack_chunks(raw.get("chunks"), size), tuple(regions), mode & 0o777
+    )
 
 
 def decode_manifest(data: bytes) -> Manifest:

@@ -30,6 +30,7 @@ OBJECT_VERSION = 1
 _HEADER = struct.Struct("<4sBBHQ")
 HEADER_SIZE = _HEADER.size
 MAX_PARAMS = 4096
+DEFAULT_HINTS = EncodeHints()
 MAX_DELTA_DEPTH = 64
 """A base chain deeper than this is treated as corrupt (a cycle or a hostile store)."""
 
@@ -66,14 +67,19 @@ def parse_envelope(data: bytes | memoryview, max_decoded_size: int) -> Envelope:
     if params_len > MAX_PARAMS or HEADER_SIZE + params_len > len(data):
         raise FormatError("object header parameters out of bounds")
     if decoded_size > max_decoded_size:
-        raise FormatError(f"object declares {decoded_size} bytes, above the limit {max_decoded_size}")
+        raise FormatError(
+            f"object declares {decoded_size} bytes, above the limit {max_decoded_size}"
+        )
     params = bytes(data[HEADER_SIZE : HEADER_SIZE + params_len])
     return Envelope(codec_id, decoded_size, params, HEADER_SIZE + params_len)
 
 
 def encode_header(codec: Codec, params: bytes, decoded_size: int) -> bytes:
     """The header bytes that precede a payload."""
-    return _HEADER.pack(OBJECT_MAGIC, OBJECT_VERSION, codec.codec_id, len(params), decoded_size) + params
+    return (
+        _HEADER.pack(OBJECT_MAGIC, OBJECT_VERSION, codec.codec_id, len(params), decoded_size)
+        + params
+    )
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ class ObjectStore:
         self,
         data: memoryview | bytes,
         codec: Codec,
-        hints: EncodeHints = EncodeHints(),
+        hints: EncodeHints = DEFAULT_HINTS,
         digest: Digest | None = None,
         *,
         freshen: bool = True,
@@ -159,11 +165,15 @@ class ObjectStore:
             if envelope.codec_id == 0 and envelope.decoded_size == len(out):
                 got = self.blobs.read_into(key, HEADER_SIZE, out)
                 if got != len(out) or digest_of(out) != digest:
-                    raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+                    raise IntegrityError(
+                        f"chunk {digest} is corrupt: its bytes hash to something else"
+                    )
                 return
         decoded = self.get_chunk(digest)
         if len(decoded) != len(out):
-            raise IntegrityError(f"chunk {digest} has {len(decoded)} bytes, manifest says {len(out)}")
+            raise IntegrityError(
+                f"chunk {digest} has {len(decoded)} bytes, manifest says {len(out)}"
+            )
         out[:] = decoded
 
     def _decode(self, digest: Digest, blob: bytes, depth: int) -> bytes | memoryview:

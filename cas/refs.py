@@ -58,7 +58,7 @@ def _name_from_key(key: str) -> RefName | None:
 
 def encode_ref(record: RefRecord) -> bytes:
     """The msgpack bytes of a ref record."""
-    return msgpack.packb(
+    packed: bytes = msgpack.packb(
         {
             "format": REF_FORMAT,
             "version": REF_VERSION,
@@ -67,6 +67,7 @@ def encode_ref(record: RefRecord) -> bytes:
             "history": [[e.target, e.time, e.op, e.message] for e in record.history],
         }
     )
+    return packed
 
 
 def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord:
@@ -80,7 +81,8 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
         if doc.get("version") != REF_VERSION:
             raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
         history = tuple(
-            RefEvent(parse_digest(t), float(ts), str(op), str(msg)) for t, ts, op, msg in doc["history"]
+            RefEvent(parse_digest(t), float(ts), str(op), str(msg))
+            for t, ts, op, msg in doc["history"]
         )
         return RefRecord(name, parse_digest(doc["target"]), history, version)
     except FormatError:
@@ -128,7 +130,7 @@ class RefStore:
         name: str,
         target: Digest,
         *,
-        expected: Digest | None | object = ...,
+        expected: Digest | object | None = ...,
         op: str = "set",
         message: str = "",
     ) -> RefRecord:

@@ -48,7 +48,7 @@ def default_store_url() -> str:
     return os.path.join(data_home, "cas", "store")
 
 
-def open(  # noqa: A001 - cas.open mirrors the builtin on purpose
+def open(
     url: str | os.PathLike[str] | None = None,
     *,
     create: bool = True,
@@ -144,7 +144,7 @@ class Repository:
         metadata: dict[str, Any] | None = None,
         *,
         parent: str | None = None,
-        expected: Digest | None | Any = _ANY,
+        expected: Digest | Any | None = _ANY,
         codec: str | None = None,
         message: str = "",
         progress: Progress | None = None,
@@ -167,13 +167,26 @@ class Repository:
             parent=self._parent_digest(name, parent),
             chunk_size=self.config.chunk_size,
         )
-        return self.commit(manifest, name, expected=expected, op="save", message=message, stats=stats)
+        return self.commit(
+            manifest, name, expected=expected, op="save", message=message, stats=stats
+        )
 
     def _parent_digest(self, name: RefName, parent: str | None) -> Digest | None:
         if parent is not None:
             return self.resolve(parent)
         record = self.refs_store.try_get(name)
         return record.target if record else None
+
+    def write_tensors(
+        self, sources: Sequence[TensorSource], *, codec: str | None = None
+    ) -> tuple[list[TensorEntry], WriteStats]:
+        """Store tensors' chunks only (no manifest, no ref) and return their entries.
+
+        The first half of a save, for writers that assemble their own manifest (a distributed
+        checkpoint commits one manifest for every rank's tensors). Call ``commit`` afterwards.
+        """
+        stats = WriteStats()
+        return self._write_tensors(sources, self.codec(codec), stats, None), stats
 
     def _write_tensors(
         self,
@@ -189,17 +202,28 @@ class Repository:
                 continue
             cuts = fixed_cuts(source.nbytes, self.config.chunk_size)
             hints = EncodeHints(elem_size=source.elem_size, level=self.config.compression_level)
-            pending.append((source, self.io.write_cuts(source.data, cuts, codec, hints, stats, progress)))
+            pending.append(
+                (source, self.io.write_cuts(source.data, cuts, codec, hints, stats, progress))
+            )
         wait_all(f for _, futures in pending for f in futures)
         entries = []
         for source, futures in pending:
             if futures:
                 chunks = tuple(f.result() for f in futures)
-                entries.append(TensorEntry(source.kind, source.dtype, source.shape, source.nbytes, chunks))
+                entries.append(
+                    TensorEntry(source.kind, source.dtype, source.shape, source.nbytes, chunks)
+                )
             else:
                 stats.logical_bytes += source.nbytes
                 entries.append(
-                    TensorEntry(source.kind, source.dtype, source.shape, source.nbytes, (), bytes(source.data))
+                    TensorEntry(
+                        source.kind,
+                        source.dtype,
+                        source.shape,
+                        source.nbytes,
+                        (),
+                        bytes(source.data),
+                    )
                 )
         return entries
 
@@ -208,7 +232,7 @@ class Repository:
         manifest: Manifest,
         ref: str,
         *,
-        expected: Digest | None | Any = _ANY,
+        expected: Digest | Any | None = _ANY,
         op: str = "commit",
         message: str = "",
         stats: WriteStats | None = None,
@@ -228,7 +252,7 @@ class Repository:
         metadata: dict[str, Any] | None = None,
         *,
         allow_opaque_pickles: bool = False,
-        expected: Digest | None | Any = _ANY,
+        expected: Digest | Any | None = _ANY,
         codec: str | None = None,
         progress: Progress | None = None,
     ) -> Digest:
@@ -252,7 +276,9 @@ class Repository:
         tensors: list[TensorEntry] = []
         entries: dict[str, FileEntry] = {}
         for rel, file_path, layout in files:
-            entries[rel] = self._write_file(file_path, layout, self.codec(codec), tensors, stats, progress)
+            entries[rel] = self._write_file(
+                file_path, layout, self.codec(codec), tensors, stats, progress
+            )
         meta = {"source": kind, "name": source.name, **_clean_meta(metadata)}
         manifest = Manifest(
             kind="files",
@@ -263,7 +289,9 @@ class Repository:
             parent=self._parent_digest(name, None),
             chunk_size=self.config.chunk_size,
         )
-        return self.commit(manifest, name, expected=expected, op="put", message=str(source), stats=stats)
+        return self.commit(
+            manifest, name, expected=expected, op="put", message=str(source), stats=stats
+        )
 
     def _write_file(
         self,
@@ -286,8 +314,12 @@ class Repository:
                 view = memoryview(mapped)
                 try:
                     cut_list: list[tuple[Cut, int | None]] = list(
-                        layout_cuts(view, [(r.offset, r.nbytes) for r in regions],
-                                    self.config.chunk_size, self.config.cdc_avg_size)
+                        layout_cuts(
+                            view,
+                            [(r.offset, r.nbytes) for r in regions],
+                            self.config.chunk_size,
+                            self.config.cdc_avg_size,
+                        )
                     )
                     hints = [
                         EncodeHints(
@@ -296,17 +328,21 @@ class Repository:
                         )
                         for _, i in cut_list
                     ]
-                    futures = self.io.write_cuts(view, [c for c, _ in cut_list], codec, hints, stats, progress)
+                    futures = self.io.write_cuts(
+                        view, [c for c, _ in cut_list], codec, hints, stats, progress
+                    )
                     wait_all(futures)
                     chunks = [f.result() for f in futures]
                 finally:
                     view.release()
         file_regions = []
         for index, region in enumerate(regions):
-            region_chunks = tuple(c for c, (_, i) in zip(chunks, cut_list) if i == index)
+            region_chunks = tuple(c for c, (_, i) in zip(chunks, cut_list, strict=False) if i == index)
             file_regions.append(FileRegion(region.name, len(tensors), region.offset))
             tensors.append(
-                TensorEntry("torch", region.dtype, tuple(region.shape), region.nbytes, region_chunks)
+                TensorEntry(
+                    "torch", region.dtype, tuple(region.shape), region.nbytes, region_chunks
+                )
             )
         return FileEntry(size, layout.format, tuple(chunks), tuple(file_regions), mode)
 
@@ -348,12 +384,23 @@ class Repository:
         """
         manifest = self.manifest(ref)
         patterns = [keys] if isinstance(keys, str) else list(keys or [])
-        select = (lambda p: any(fnmatch.fnmatchcase(p, pat) for pat in patterns)) if patterns else None
+        select = (
+            (lambda p: any(fnmatch.fnmatchcase(p, pat) for pat in patterns)) if patterns else None
+        )
         if manifest.kind == "files":
             return self._load_files(manifest, select, map_location, progress)
         wanted = {i for p, i in iter_tensor_paths(manifest.tree) if select is None or select(p)}
         tensors = self._materialize(manifest, sorted(wanted), map_location, mmap, progress)
         return decode_state(manifest.tree, tensors.__getitem__, select)
+
+    def read_tensors(
+        self,
+        manifest: Manifest,
+        indices: Iterable[int],
+        map_location: str | torch.device | None = None,
+    ) -> dict[int, Any]:
+        """Verified values of ``manifest.tensors[i]`` for each index, read in parallel."""
+        return self._materialize(manifest, indices, map_location, False, None)
 
     def _materialize(
         self,
@@ -368,7 +415,11 @@ class Repository:
         for index in indices:
             entry = manifest.tensors[index]
             if entry.inline is not None:
-                buffers[index] = torch.frombuffer(bytearray(entry.inline), dtype=torch.uint8) if entry.nbytes else torch.empty(0, dtype=torch.uint8)
+                buffers[index] = (
+                    torch.frombuffer(bytearray(entry.inline), dtype=torch.uint8)
+                    if entry.nbytes
+                    else torch.empty(0, dtype=torch.uint8)
+                )
                 continue
             mapped = self._mmap_chunk(entry) if use_mmap else None
             if mapped is not None:
@@ -377,7 +428,7 @@ class Repository:
             buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
             buffers[index] = buffer
             if entry.nbytes:
-                futures.extend(self.io.read_into(entry.chunks, memoryview(buffer.numpy()), progress))
+                futures.extend(self.io.read_into(entry.chunks, _byte_view(buffer), progress))
         wait_all(futures)
         out: dict[int, Any] = {}
         for index, buffer in buffers.items():
@@ -419,9 +470,15 @@ class Repository:
         for path, entry in manifest.files.items():
             if entry.regions:
                 names = {r.name: r.tensor_index for r in entry.regions}
-                chosen = {n: i for n, i in names.items() if select is None or select(f"{path}.{n}") or select(path)}
+                chosen = {
+                    n: i
+                    for n, i in names.items()
+                    if select is None or select(f"{path}.{n}") or select(path)
+                }
                 if chosen:
-                    values = self._materialize(manifest, chosen.values(), map_location, False, progress)
+                    values = self._materialize(
+                        manifest, chosen.values(), map_location, False, progress
+                    )
                     out[path] = {n: values[i] for n, i in chosen.items()}
             elif select is None or select(path):
                 out[path] = b"".join(bytes(c) for c in self.io.iter_chunks(entry.chunks))
@@ -443,8 +500,12 @@ class Repository:
         manifest = self.manifest(ref)
         if manifest.kind == "files":
             if fmt is not None:
-                raise FormatError(f"{ref} holds ingested files; they are written back as they were (drop --format)")
-            return export_files(self, manifest, Path(dest), sha256=sha256, overwrite=overwrite, progress=progress)
+                raise FormatError(
+                    f"{ref} holds ingested files; they are written back as they were (drop --format)"
+                )
+            return export_files(
+                self, manifest, Path(dest), sha256=sha256, overwrite=overwrite, progress=progress
+            )
         state = self.load(ref, progress=progress)
         return export_state(state, Path(dest), fmt or "pt", sha256=sha256, overwrite=overwrite)
 
@@ -463,7 +524,9 @@ class Repository:
         """The ref's history, newest first."""
         return list(reversed(self.refs_store.get(ref).history))
 
-    def cp(self, src: str, dst: str, *, only: str | Sequence[str] | None = None, message: str = "") -> Digest:
+    def cp(
+        self, src: str, dst: str, *, only: str | Sequence[str] | None = None, message: str = ""
+    ) -> Digest:
         """Point ``dst`` at what ``src`` names (writes no chunk); ``only`` keeps matching entries."""
         parse_ref_name(dst)
         digest = self.resolve(src)
@@ -473,7 +536,9 @@ class Repository:
             manifest = decode_manifest(self.objects.get_manifest(digest))
             patterns = [only] if isinstance(only, str) else list(only)
             sub = subset_manifest(manifest, patterns, parent=digest, created_at=self.clock())
-            return self.commit(sub, dst, op="cp", message=message or f"cp {src} --only {' '.join(patterns)}")
+            return self.commit(
+                sub, dst, op="cp", message=message or f"cp {src} --only {' '.join(patterns)}"
+            )
         self.refs_store.set(dst, digest, op="cp", message=message or f"cp {src}")
         return digest
 
@@ -495,7 +560,10 @@ class Repository:
             "logical_bytes": manifest.logical_bytes(),
             "chunks": len({c.digest for c in manifest.chunk_refs()}),
             "tensors": [info.__dict__ for info in tensor_table(manifest)],
-            "files": {p: {"size": e.size, "format": e.format, "chunks": len(e.chunks)} for p, e in manifest.files.items()},
+            "files": {
+                p: {"size": e.size, "format": e.format, "chunks": len(e.chunks)}
+                for p, e in manifest.files.items()
+            },
         }
 
     def diff(self, a: str, b: str) -> list[DiffEntry]:
@@ -531,11 +599,17 @@ def _digest_table(manifest: Manifest) -> list[_Comparable]:
     if manifest.kind == "state":
         for path, index in iter_tensor_paths(manifest.tree):
             t = manifest.tensors[index]
-            rows.append(_Comparable(path, t.dtype, t.shape, t.nbytes, t.inline or tuple(c.digest for c in t.chunks)))
+            rows.append(
+                _Comparable(
+                    path, t.dtype, t.shape, t.nbytes, t.inline or tuple(c.digest for c in t.chunks)
+                )
+            )
         for path, value in _value_leaves(manifest.tree, ""):
             rows.append(_Comparable(path, "value", (), 0, repr(value)))
     for path, entry in manifest.files.items():
-        rows.append(_Comparable(path, entry.format, (), entry.size, tuple(c.digest for c in entry.chunks)))
+        rows.append(
+            _Comparable(path, entry.format, (), entry.size, tuple(c.digest for c in entry.chunks))
+        )
     return rows
 
 
@@ -553,12 +627,19 @@ def tensor_table(manifest: Manifest) -> list[TensorInfo]:
     if manifest.kind == "state":
         pairs = list(iter_tensor_paths(manifest.tree))
     else:
-        pairs = [(f"{p}:{r.name}", r.tensor_index) for p, e in manifest.files.items() for r in e.regions]
+        pairs = [
+            (f"{p}:{r.name}", r.tensor_index) for p, e in manifest.files.items() for r in e.regions
+        ]
     rows = []
     for path, index in pairs:
         t = manifest.tensors[index]
         rows.append(TensorInfo(path, t.dtype, t.shape, t.nbytes, len(t.chunks)))
     return rows
+
+
+def _byte_view(buffer: torch.Tensor) -> memoryview:
+    """A writable memoryview over a flat uint8 CPU tensor."""
+    return memoryview(buffer.numpy())  # type: ignore[arg-type]
 
 
 def _itemsize(dtype: str) -> int:

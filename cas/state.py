@@ -71,7 +71,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
@@ -80,7 +80,7 @@ def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
     contiguous = np.ascontiguousarray(array)
     if contiguous.dtype.byteorder == ">":
         contiguous = contiguous.astype(contiguous.dtype.newbyteorder("<"))
-    return memoryview(contiguous.reshape(-1).view(np.uint8)).cast("B")
+    return memoryview(contiguous.reshape(-1).view(np.uint8)).cast("B")  # type: ignore[arg-type]
 
 
 def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
@@ -114,7 +114,11 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
             return add(
                 obj,
                 lambda: TensorSource(
-                    "numpy", obj.dtype.newbyteorder("<").str, tuple(obj.shape), _numpy_bytes(obj), path
+                    "numpy",
+                    obj.dtype.newbyteorder("<").str,
+                    tuple(obj.shape),
+                    _numpy_bytes(obj),
+                    path,
                 ),
             )
         if isinstance(obj, np.generic):
@@ -188,14 +192,16 @@ def decode_state(
         if tag == "dict":
             out: dict[Any, Any] = {}
             for key, value in node["items"]:
-                if isinstance(key, (bytes, float)) or isinstance(key, bool):
+                if isinstance(key, (bytes, float, bool)):
                     raise FormatError(f"corrupt manifest: bad dict key at {path}")
                 item = walk(value, f"{path}.{key}" if path else str(key))
                 if item is not missing:
                     out[key] = item
             return missing if select is not None and not out and node["items"] else out
         if tag in ("list", "tuple"):
-            items = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])]
+            items = [
+                walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])
+            ]
             if select is not None and items and all(i is missing for i in items):
                 return missing
             values = [None if i is missing else i for i in items]

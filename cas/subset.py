@@ -28,11 +28,22 @@ def subset_manifest(
         used = sorted({r.tensor_index for e in files.values() for r in e.regions})
         remap = {old: new for new, old in enumerate(used)}
         files = {
-            p: replace(e, regions=tuple(replace(r, tensor_index=remap[r.tensor_index]) for r in e.regions))
+            p: replace(
+                e, regions=tuple(replace(r, tensor_index=remap[r.tensor_index]) for r in e.regions)
+            )
             for p, e in files.items()
         }
         tensors = tuple(manifest.tensors[i] for i in used)
-        return Manifest("files", tensors, None, files, dict(manifest.meta), created_at, parent, manifest.chunk_size)
+        return Manifest(
+            "files",
+            tensors,
+            None,
+            files,
+            dict(manifest.meta),
+            created_at,
+            parent,
+            manifest.chunk_size,
+        )
 
     kept: list[TensorEntry] = []
     remap_state: dict[int, int] = {}
@@ -43,7 +54,9 @@ def subset_manifest(
     tree = _rebuild_tree(manifest.tree, select, remap_state)
     if tree is None:
         raise NotFound(f"no entry matches {list(patterns)}")
-    return Manifest("state", tuple(kept), tree, {}, dict(manifest.meta), created_at, parent, manifest.chunk_size)
+    return Manifest(
+        "state", tuple(kept), tree, {}, dict(manifest.meta), created_at, parent, manifest.chunk_size
+    )
 
 
 def _rebuild_tree(tree: Any, select: Any, remap: dict[int, int]) -> Any:
@@ -63,7 +76,9 @@ def _rebuild_tree(tree: Any, select: Any, remap: dict[int, int]) -> Any:
                         items.append([key, item])
                 return {"~": "dict", "items": items} if items else missing
             if tag in ("list", "tuple"):
-                values = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])]
+                values = [
+                    walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])
+                ]
                 if all(v is missing for v in values):
                     return missing
                 return {"~": tag, "items": [None if v is missing else v for v in values]}

@@ -7,6 +7,7 @@ the whole store), ``full`` (re-read and re-hash every chunk).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -101,9 +102,10 @@ def verify(
     to_hash = [
         d
         for d in owners
-        if present[chunk_key(d)] and (level == "full" or (level == "sample" and in_sample(d, sample_start, sample_pct)))
+        if present[chunk_key(d)]
+        and (level == "full" or (level == "sample" and in_sample(d, sample_start, sample_pct)))
     ]
-    for digest, outcome in zip(to_hash, repo.io.pool.map(lambda d: _rehash(repo, d), to_hash)):
+    for digest, outcome in zip(to_hash, repo.io.pool.map(lambda d: _rehash(repo, d), to_hash), strict=False):
         if isinstance(outcome, int):
             report.rehashed_chunks += 1
             report.rehashed_bytes += outcome
@@ -116,7 +118,9 @@ def verify(
     return report
 
 
-def _read_manifest(repo: Repository, ref: str, target: Digest, report: VerifyReport) -> Manifest | None:
+def _read_manifest(
+    repo: Repository, ref: str, target: Digest, report: VerifyReport
+) -> Manifest | None:
     try:
         return decode_manifest(repo.objects.get_manifest(target))
     except NotFound:
@@ -142,7 +146,6 @@ def _sample_start(repo: Repository) -> float:
 
 
 def _save_sample_start(repo: Repository, start: float) -> None:
-    try:
+    # A read-only store still verifies; the rotation just does not advance.
+    with contextlib.suppress(CASError):
         repo.blobs.put(SAMPLE_STATE_KEY, json.dumps({"next_start": start}).encode())
-    except CASError:
-        pass  # a read-only store still verifies; the rotation just does not advance

@@ -31,7 +31,9 @@ def stored_bytes(repo: cas.Repository) -> int:
 def trained_state(steps: int = 3, seed: int = 0, width: int = 64) -> dict[str, Any]:
     """A real model + AdamW state after ``steps`` optimizer steps."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width * 2), torch.nn.GELU(), torch.nn.Linear(width * 2, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width * 2), torch.nn.GELU(), torch.nn.Linear(width * 2, 8)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
     for _ in range(steps):
@@ -66,7 +68,7 @@ def assert_bit_exact(a: Any, b: Any, path: str = "") -> None:
             assert_bit_exact(a[key], b[key], f"{path}.{key}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             assert_bit_exact(x, y, f"{path}.{i}")
     elif isinstance(a, float) and a != a:
         assert isinstance(b, float) and b != b, path

@@ -144,7 +144,7 @@ class BlobStore(ABC):
         if len(key_list) < 4:
             return {key: self.has(key) for key in key_list}
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return dict(zip(key_list, pool.map(self.has, key_list)))
+            return dict(zip(key_list, pool.map(self.has, key_list), strict=False))
 
     @property
     def supports_conditional_writes(self) -> bool:

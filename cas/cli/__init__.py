@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cas.cli.app import main, cli
 from cas.cli import core as _core  # noqa: F401  (registers commands)
+from cas.cli.app import cli, main
 
 __all__ = ["cli", "main"]

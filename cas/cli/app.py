@@ -57,7 +57,9 @@ def _fail(message: str, code: int = EXIT_PROBLEM) -> None:
     sys.exit(code)
 
 
-@click.group(cls=CASGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=CASGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.option(
     "--store",
     envvar="CAS_STORE",
@@ -65,7 +67,9 @@ def _fail(message: str, code: int = EXIT_PROBLEM) -> None:
     help="Store location: a path, file://, s3://bucket/prefix or any fsspec URL "
     "[env CAS_STORE; default ~/.local/share/cas/store].",
 )
-@click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", metavar="URL", help="S3-compatible endpoint.")
+@click.option(
+    "--endpoint-url", envvar="AWS_ENDPOINT_URL", metavar="URL", help="S3-compatible endpoint."
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @click.version_option(package_name="cas")
 @click.pass_context
@@ -84,7 +88,7 @@ def cli(ctx: click.Context, store: str | None, endpoint_url: str | None, quiet: 
       cas cp runs/r1/ckpt_step00045000 gates/bc_best       a gate copy: writes no chunk
       cas verify --full                                    re-hash every chunk
     """
-    quiet = quiet or not sys.stderr.isatty() and os.environ.get("CAS_PROGRESS") != "1"
+    quiet = quiet or (not sys.stderr.isatty() and os.environ.get("CAS_PROGRESS") != "1")
     ctx.obj = Context(store, endpoint_url, quiet)
 
 
@@ -109,8 +113,14 @@ def progress_bar(obj: Context, total: int | None, desc: str) -> Iterator[Callabl
     from tqdm import tqdm
 
     with tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-        disable=obj.quiet, file=sys.stderr, leave=False,
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=obj.quiet,
+        file=sys.stderr,
+        leave=False,
     ) as bar:
         yield bar.update
 

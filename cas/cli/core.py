@@ -49,18 +49,35 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     if as_json:
         emit_json({"store": repo.url, "config": repo.config.__dict__})
     else:
-        click.echo(f"store {repo.url} (chunk size {human_bytes(repo.config.chunk_size)}, codec {repo.config.codec})")
+        click.echo(
+            f"store {repo.url} (chunk size {human_bytes(repo.config.chunk_size)}, codec {repo.config.codec})"
+        )
 
 
 @cli.command()
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.argument("ref")
-@click.option("-m", "--meta", multiple=True, metavar="KEY=VALUE", help="Metadata to record (repeatable).")
-@click.option("--allow-opaque-pickles", "allow_pickles", is_flag=True, help="Store pickles that are not weights-only (e.g. HF training_args.bin) as opaque bytes; cas never loads them.")
+@click.option(
+    "-m", "--meta", multiple=True, metavar="KEY=VALUE", help="Metadata to record (repeatable)."
+)
+@click.option(
+    "--allow-opaque-pickles",
+    "allow_pickles",
+    is_flag=True,
+    help="Store pickles that are not weights-only (e.g. HF training_args.bin) as opaque bytes; cas never loads them.",
+)
 @click.option("--codec", default=None, help="Codec for new chunks (default: the store's).")
 @json_option
 @pass_ctx
-def put(obj: Context, path: Path, ref: str, meta: tuple[str, ...], allow_pickles: bool, codec: str | None, as_json: bool) -> None:
+def put(
+    obj: Context,
+    path: Path,
+    ref: str,
+    meta: tuple[str, ...],
+    allow_pickles: bool,
+    codec: str | None,
+    as_json: bool,
+) -> None:
     """Ingest PATH (a .pt, .safetensors, any file, or a directory) under REF.
 
     Known formats are cut at tensor boundaries, so their tensors share chunks with the same
@@ -70,7 +87,9 @@ def put(obj: Context, path: Path, ref: str, meta: tuple[str, ...], allow_pickles
     metadata = _parse_meta(meta)
     repo = obj.open()
     with progress_bar(obj, _tree_size(path), f"put {path.name}") as update:
-        digest = repo.put_path(path, ref, metadata, allow_opaque_pickles=allow_pickles, codec=codec, progress=update)
+        digest = repo.put_path(
+            path, ref, metadata, allow_opaque_pickles=allow_pickles, codec=codec, progress=update
+        )
     stats = repo.last_write.as_dict()
     if as_json:
         emit_json({"ref": ref, "manifest": digest, **stats})
@@ -100,12 +119,22 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
 @cli.command()
 @click.argument("ref")
 @click.argument("dest", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default=None, help="Export a state saved from Python as this format [pt].")
-@click.option("--sha256", is_flag=True, help="Also write GNU coreutils .sha256 sidecars (sha256sum -c).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "pt"]),
+    default=None,
+    help="Export a state saved from Python as this format [pt].",
+)
+@click.option(
+    "--sha256", is_flag=True, help="Also write GNU coreutils .sha256 sidecars (sha256sum -c)."
+)
 @click.option("-f", "--force", is_flag=True, help="Overwrite existing files.")
 @json_option
 @pass_ctx
-def get(obj: Context, ref: str, dest: Path, fmt: str | None, sha256: bool, force: bool, as_json: bool) -> None:
+def get(
+    obj: Context, ref: str, dest: Path, fmt: str | None, sha256: bool, force: bool, as_json: bool
+) -> None:
     """Write REF to DEST: ingested files come back byte-identical.
 
     REF may be a name, NAME~N (N versions back) or a manifest digest.
@@ -132,10 +161,16 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
     records = repo.refs(prefix)
     rows = []
     for record in records:
-        row: dict[str, Any] = {"ref": record.name, "manifest": record.target, "updated": record.history[-1].time}
+        row: dict[str, Any] = {
+            "ref": record.name,
+            "manifest": record.target,
+            "updated": record.history[-1].time,
+        }
         if long_ or as_json:
             manifest = repo.manifest(record.target)
-            row.update(kind=manifest.kind, logical_bytes=manifest.logical_bytes(), meta=manifest.meta)
+            row.update(
+                kind=manifest.kind, logical_bytes=manifest.logical_bytes(), meta=manifest.meta
+            )
         rows.append(row)
     if as_json:
         emit_json(rows)
@@ -143,7 +178,9 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
     for row in rows:
         if long_:
             step = row["meta"].get("step", "")
-            click.echo(f"{row['manifest'][:12]}  {_when(row['updated'])}  {human_bytes(row['logical_bytes']):>10}  {step!s:>8}  {row['ref']}")
+            click.echo(
+                f"{row['manifest'][:12]}  {_when(row['updated'])}  {human_bytes(row['logical_bytes']):>10}  {step!s:>8}  {row['ref']}"
+            )
         else:
             click.echo(row["ref"])
 
@@ -169,7 +206,9 @@ def show(obj: Context, ref: str, as_json: bool) -> None:
     if info["tensors"]:
         click.echo(f"{'dtype':<14} {'shape':<22} {'bytes':>10}  path")
         for t in info["tensors"]:
-            click.echo(f"{t['dtype']:<14} {str(list(t['shape'])):<22} {human_bytes(t['nbytes']):>10}  {t['path']}")
+            click.echo(
+                f"{t['dtype']:<14} {list(t['shape'])!s:<22} {human_bytes(t['nbytes']):>10}  {t['path']}"
+            )
 
 
 @cli.command()
@@ -181,7 +220,12 @@ def log(obj: Context, ref: str, as_json: bool) -> None:
     repo = obj.open(create=False, readonly=True)
     events = repo.log(ref)
     if as_json:
-        emit_json([{"n": i, "manifest": e.target, "time": e.time, "op": e.op, "message": e.message} for i, e in enumerate(events)])
+        emit_json(
+            [
+                {"n": i, "manifest": e.target, "time": e.time, "op": e.op, "message": e.message}
+                for i, e in enumerate(events)
+            ]
+        )
         return
     for i, e in enumerate(events):
         click.echo(f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}")
@@ -190,7 +234,12 @@ def log(obj: Context, ref: str, as_json: bool) -> None:
 @cli.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--only", multiple=True, metavar="GLOB", help="Keep only entries matching (e.g. 'model.*'): a weights-only snapshot.")
+@click.option(
+    "--only",
+    multiple=True,
+    metavar="GLOB",
+    help="Keep only entries matching (e.g. 'model.*'): a weights-only snapshot.",
+)
 @json_option
 @pass_ctx
 def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], as_json: bool) -> None:
@@ -240,21 +289,40 @@ def diff(obj: Context, a: str, b: str, as_json: bool) -> None:
 @cli.command()
 @click.argument("refs", nargs=-1)
 @click.option("--full", is_flag=True, help="Re-read and re-hash every chunk.")
-@click.option("--sample", type=click.FloatRange(0, 100, min_open=True), default=None, metavar="PCT", help="Re-hash a rotating PCT% of chunks.")
+@click.option(
+    "--sample",
+    type=click.FloatRange(0, 100, min_open=True),
+    default=None,
+    metavar="PCT",
+    help="Re-hash a rotating PCT% of chunks.",
+)
 @json_option
 @pass_ctx
-def verify(obj: Context, refs: tuple[str, ...], full: bool, sample: float | None, as_json: bool) -> None:
+def verify(
+    obj: Context, refs: tuple[str, ...], full: bool, sample: float | None, as_json: bool
+) -> None:
     """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem."""
     from cas.verify import verify as run_verify
 
     repo = obj.open(create=False, readonly=not sample)
     level = "full" if full else "sample" if sample else "existence"
     with progress_bar(obj, None, "verify") as update:
-        report = run_verify(repo, refs or ("",), level=level, sample_pct=sample or 0.0, progress=update)
+        report = run_verify(
+            repo, refs or ("",), level=level, sample_pct=sample or 0.0, progress=update
+        )
     if as_json:
-        emit_json({"ok": report.ok, "level": level, "refs": report.refs, "manifests": report.manifests,
-                   "chunks": report.chunks, "rehashed_chunks": report.rehashed_chunks,
-                   "rehashed_bytes": report.rehashed_bytes, "problems": [p.__dict__ for p in report.problems]})
+        emit_json(
+            {
+                "ok": report.ok,
+                "level": level,
+                "refs": report.refs,
+                "manifests": report.manifests,
+                "chunks": report.chunks,
+                "rehashed_chunks": report.rehashed_chunks,
+                "rehashed_bytes": report.rehashed_bytes,
+                "problems": [p.__dict__ for p in report.problems],
+            }
+        )
     else:
         for problem in report.problems:
             click.echo(f"PROBLEM {problem}", err=True)

@@ -24,7 +24,7 @@ class EncodeHints:
     base_digest: Digest | None = None
 
 
-BaseFetcher = Callable[[Digest], bytes]
+BaseFetcher = Callable[[Digest], bytes | memoryview]
 """Returns the verified decoded bytes of a base chunk, for delta codecs."""
 
 

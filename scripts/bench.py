@@ -1,0 +1,244 @@
+"""Benchmarks: cas against torch.save, safetensors and torch.distributed.checkpoint, side by side.
+
+Every writer is durable (fsync) and every figure comes from the same run. Sections:
+
+- ``core``: first save, re-save with 10% of the tensors changed, and load of a ~1 GB state dict.
+- ``compression``, ``gc``, ``fs``, ``manager``, ``s3``: delegated to ``scripts/bench_<name>.py``
+  when present (each also runs on its own).
+
+    python scripts/bench.py [--size-gb 1.0] [--repeat 3] [--sections core,compression,...] [--quick]
+
+Results are printed as a table and written to ``bench-results/bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cas  # noqa: E402
+
+GB = 1 << 30
+
+
+def make_state(size_gb: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A transformer-shaped fp32 state dict of about ``size_gb`` GiB."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = 1024
+    per_layer = (4 * hidden * hidden + 2 * hidden * 4 * hidden) * 4
+    layers = max(1, round(size_gb * GB / per_layer))
+    state: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        for name in ("q", "k", "v", "o"):
+            state[f"layers.{i}.attn.{name}.weight"] = torch.randn(hidden, hidden, generator=gen)
+        state[f"layers.{i}.mlp.up.weight"] = torch.randn(4 * hidden, hidden, generator=gen)
+        state[f"layers.{i}.mlp.down.weight"] = torch.randn(hidden, 4 * hidden, generator=gen)
+        state[f"layers.{i}.norm.weight"] = torch.ones(hidden)
+    return state
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or every file in a directory, and the directory itself."""
+    paths = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    directory = path.parent if path.is_file() else path
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def touch(loaded: dict[str, Any]) -> None:
+    """Read one element per 4 KiB page, so lazily mapped loads pay for their I/O like the rest."""
+    for value in loaded.values():
+        if isinstance(value, torch.Tensor) and value.numel():
+            value.reshape(-1)[::1024].sum()
+
+
+def timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs (``setup`` runs untimed before each)."""
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
+    """Durable save, 10%-changed re-save and load for every peer and for cas."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    state = make_state(size_gb)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    changed = dict(state)
+    big = [n for n in state if state[n].numel() > 1 << 16]
+    for name in big[::10]:
+        changed[name] = state[name] + 1
+    changed_bytes = sum(changed[n].numel() * 4 for n in changed if changed[n] is not state[n])
+    results: dict[str, Any] = {"state_bytes": nbytes, "tensors": len(state), "changed_bytes": changed_bytes}
+
+    def reset(path: Path) -> Callable[[], None]:
+        def clear() -> None:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+        return clear
+
+    pt = work / "state.pt"
+
+    def torch_save(sd: dict[str, torch.Tensor] = state) -> None:
+        torch.save(sd, pt)
+        fsync_path(pt)
+
+    st = work / "state.safetensors"
+
+    def st_save(sd: dict[str, torch.Tensor] = state) -> None:
+        save_file(sd, st)
+        fsync_path(st)
+
+    dcp_dir = work / "dcp"
+
+    def dcp_save(sd: dict[str, torch.Tensor] = state) -> None:
+        dcp.save(sd, checkpoint_id=str(dcp_dir))
+        fsync_path(dcp_dir)
+
+    store_dir = work / "store"
+    counter = iter(range(10**6))
+
+    def cas_save() -> None:
+        repo = cas.open(store_dir)
+        repo.save(state, f"bench/first{next(counter)}")
+        repo.close()
+
+    def cas_resave() -> None:
+        repo = cas.open(store_dir)
+        repo.save(changed, f"bench/resave{next(counter)}")
+        repo.close()
+
+    def cas_store_with_state() -> None:
+        reset(store_dir)()
+        repo = cas.open(store_dir)
+        repo.save(state, "bench/base")
+        repo.close()
+
+    rows: dict[str, dict[str, float]] = {}
+    rows["torch.save"] = {"save": timed(torch_save, repeat, reset(pt))}
+    rows["torch.save"]["resave10"] = timed(lambda: torch_save(changed), repeat)
+    rows["torch.save"]["load"] = timed(lambda: touch(torch.load(pt, weights_only=True)), repeat)
+    rows["safetensors"] = {"save": timed(st_save, repeat, reset(st))}
+    rows["safetensors"]["resave10"] = timed(lambda: st_save(changed), repeat)
+    rows["safetensors"]["load"] = timed(lambda: touch(load_file(st)), repeat)
+    rows["dcp"] = {"save": timed(dcp_save, repeat, reset(dcp_dir))}
+    rows["dcp"]["resave10"] = timed(lambda: (reset(dcp_dir)(), dcp_save(changed)), repeat)
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    rows["dcp"]["load"] = timed(lambda: (dcp.load(target, checkpoint_id=str(dcp_dir)), touch(target)), repeat)
+    rows["cas"] = {"save": timed(cas_save, repeat, reset(store_dir))}
+    rows["cas"]["resave10"] = timed(cas_resave, repeat, cas_store_with_state)
+    repo = cas.open(store_dir)
+    rows["cas"]["load"] = timed(lambda: touch(repo.load("bench/base")), repeat)
+    rows["cas"]["load_mmap"] = timed(lambda: touch(repo.load("bench/base", mmap=True)), repeat)
+    check = repo.load("bench/base")
+    assert all(torch.equal(check[k], v) for k, v in state.items()), "cas load is not bit-exact"
+    repo.close()
+    for row in rows.values():
+        row["save_gbps"] = nbytes / GB / row["save"]
+        row["load_gbps"] = nbytes / GB / row["load"]
+    base = rows["torch.save"]
+    results["rows"] = rows
+    results["targets"] = {
+        "first_save_vs_torch_save_throughput": {"value": base["save"] / rows["cas"]["save"], "target": ">= 1.5"},
+        "resave10_vs_torch_save_time": {"value": rows["cas"]["resave10"] / base["save"], "target": "<= 0.2"},
+        "load_vs_torch_load_speed": {"value": base["load"] / rows["cas"]["load"], "target": ">= 1.0"},
+    }
+    return results
+
+
+def print_core(results: dict[str, Any]) -> None:
+    """The core table."""
+    size = results["state_bytes"] / GB
+    share = results["changed_bytes"] / results["state_bytes"]
+    print(f"\n== core: {size:.2f} GiB state dict, {results['tensors']} tensors; durable (fsync) writes")
+    print(f"   re-save changes {share:.0%} of the bytes; loads are warm (page cache) and touch every page")
+    print(f"{'writer':<14}{'save s':>9}{'GiB/s':>8}{'resave10% s':>13}{'load s':>9}{'GiB/s':>8}")
+    for name, row in results["rows"].items():
+        print(
+            f"{name:<14}{row['save']:>9.2f}{row['save_gbps']:>8.2f}{row['resave10']:>13.2f}"
+            f"{row['load']:>9.2f}{row['load_gbps']:>8.2f}"
+        )
+    print(f"cas load with mmap: {results['rows']['cas']['load_mmap']:.2f} s")
+    for name, target in results["targets"].items():
+        print(f"  {name:<40} {target['value']:6.2f}  (target {target['target']})")
+
+
+def run_section(name: str, quick: bool) -> dict[str, Any] | None:
+    """Run ``scripts/bench_<name>.py``'s ``run(quick=...)`` if that script exists."""
+    path = ROOT / "scripts" / f"bench_{name}.py"
+    if not path.exists():
+        print(f"\n== {name}: scripts/bench_{name}.py not present, skipped")
+        return None
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    print(f"\n== {name}")
+    result: dict[str, Any] = module.run(quick=quick)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="cas benchmarks")
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sections", default="core,compression,gc,fs,manager,s3")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (smoke test)")
+    parser.add_argument("--out", default=str(ROOT / "bench-results" / "bench.json"))
+    parser.add_argument("--workdir", default=None, help="scratch directory on the disk to measure")
+    args = parser.parse_args()
+    if args.quick:
+        args.size_gb, args.repeat = min(args.size_gb, 0.1), 1
+    torch.set_num_threads(os.cpu_count() or 1)
+    out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "sections": {}}
+    for section in [s.strip() for s in args.sections.split(",") if s.strip()]:
+        if section == "core":
+            with tempfile.TemporaryDirectory(dir=args.workdir or ROOT) as work:
+                results = bench_core(Path(work), args.size_gb, args.repeat)
+            print_core(results)
+            out["sections"]["core"] = results
+        else:
+            result = run_section(section, args.quick)
+            if result is not None:
+                out["sections"][section] = result
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
