@@ -20,7 +20,10 @@ from tests.helpers import chunk_files, local_root
 def run_cli(store: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cas", "--store", str(store), *args],
-        capture_output=True, text=True, cwd=cwd, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
     )
 
 
@@ -72,7 +75,13 @@ def test_bad_ref_names_are_refused(tmp_path: Path) -> None:
 def test_unknown_ref_is_one_clear_error(tmp_path: Path) -> None:
     store = tmp_path / "store"
     cas.open(store).save({"w": torch.ones(1)}, "runs/a")
-    for args in (["get", "runs/nope", str(tmp_path / "out")], ["show", "runs/nope"], ["log", "runs/nope"], ["cp", "runs/nope", "x"], ["rm", "runs/nope"]):
+    for args in (
+        ["get", "runs/nope", str(tmp_path / "out")],
+        ["show", "runs/nope"],
+        ["log", "runs/nope"],
+        ["cp", "runs/nope", "x"],
+        ["rm", "runs/nope"],
+    ):
         assert_one_line_error(run_cli(store, *args), "runs/nope")
 
 
@@ -127,8 +136,13 @@ def test_hostile_manifest_paths_are_refused(tmp_path: Path) -> None:
     from cas.manifest import decode_manifest
 
     for path in ["../../etc/passwd", "/etc/passwd", "a/../../b", "a\x00b"]:
-        doc = {"format": "cas-manifest", "version": 1, "kind": "files", "tensors": [],
-               "files": {path: {"size": 0, "format": "opaque", "chunks": []}}}
+        doc = {
+            "format": "cas-manifest",
+            "version": 1,
+            "kind": "files",
+            "tensors": [],
+            "files": {path: {"size": 0, "format": "opaque", "chunks": []}},
+        }
         with pytest.raises(cas.CASError):
             decode_manifest(msgpack.packb(doc))
 

@@ -39,11 +39,17 @@ def _hf_checkpoint(root: Path) -> Path:
     ckpt = root / "checkpoint-500"
     ckpt.mkdir(parents=True)
     state = trained_state(width=64)
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, ckpt / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state["model"].items()},
+        ckpt / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     torch.save(state["optimizer"], ckpt / "optimizer.pt")
     torch.save(state["scheduler"], ckpt / "scheduler.pt")
     torch.save({"python": 1, "cpu": torch.get_rng_state()}, ckpt / "rng_state.pth")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 500, "log_history": [{"loss": 1.0}] * 50}))
+    (ckpt / "trainer_state.json").write_text(
+        json.dumps({"global_step": 500, "log_history": [{"loss": 1.0}] * 50})
+    )
     (ckpt / "nested").mkdir()
     (ckpt / "nested" / "notes.txt").write_bytes(os.urandom(3000))
     return ckpt
@@ -80,7 +86,12 @@ def test_put_get_single_file_with_sha256_sidecar(run, tmp_path: Path, kind: str)
     assert target.read_bytes() == source.read_bytes()
     assert str(target) + ".sha256" in written
     if shutil.which("sha256sum"):
-        check = subprocess.run(["sha256sum", "-c", source.name + ".sha256"], cwd=dest_dir, capture_output=True, text=True)
+        check = subprocess.run(
+            ["sha256sum", "-c", source.name + ".sha256"],
+            cwd=dest_dir,
+            capture_output=True,
+            text=True,
+        )
         assert check.returncode == 0 and "OK" in check.stdout
 
 
@@ -95,7 +106,9 @@ def test_export_state_saved_from_python(run, tmp_path: Path) -> None:  # type: i
         assert torch.equal(f.get_tensor("model.0.weight"), state["model"]["0.weight"])
     run("get", "runs/api/ckpt", str(tmp_path / "c.pt"), "--format", "pt")
     loaded = torch.load(tmp_path / "c.pt", weights_only=True)
-    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(
+        loaded["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"]
+    )
 
 
 def test_listing_show_log_diff_and_cp(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -107,15 +120,26 @@ def test_listing_show_log_diff_and_cp(run, tmp_path: Path) -> None:  # type: ign
         repo.save(state, "runs/r1/latest", metadata={"step": step})
     listing = json.loads(run("ls", "runs/r1", "--json"))
     assert [r["ref"] for r in listing] == [
-        "runs/r1/latest", "runs/r1/phase1/ckpt_phase1_step00000100", "runs/r1/phase1/ckpt_phase1_step00000200",
+        "runs/r1/latest",
+        "runs/r1/phase1/ckpt_phase1_step00000100",
+        "runs/r1/phase1/ckpt_phase1_step00000200",
     ]
     assert listing[1]["meta"]["step"] == 100
     assert json.loads(run("ls", "runs/*/phase1/**", "--json"))[0]["ref"].endswith("00000100")
     shown = json.loads(run("show", "runs/r1/latest", "--json"))
-    assert shown["meta"]["step"] == 200 and any(t["path"] == "model.0.weight" for t in shown["tensors"])
+    assert shown["meta"]["step"] == 200 and any(
+        t["path"] == "model.0.weight" for t in shown["tensors"]
+    )
     log = json.loads(run("log", "runs/r1/latest", "--json"))
     assert len(log) == 2 and log[1]["manifest"] == repo.resolve("runs/r1/latest~1")
-    changes = json.loads(run("diff", "runs/r1/phase1/ckpt_phase1_step00000100", "runs/r1/phase1/ckpt_phase1_step00000200", "--json"))
+    changes = json.loads(
+        run(
+            "diff",
+            "runs/r1/phase1/ckpt_phase1_step00000100",
+            "runs/r1/phase1/ckpt_phase1_step00000200",
+            "--json",
+        )
+    )
     assert {c["path"] for c in changes} == {"model.0.bias"}
     run("cp", "runs/r1/latest", "gates/bc_best")
     assert repo.resolve("gates/bc_best") == repo.resolve("runs/r1/latest")

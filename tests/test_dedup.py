@@ -71,10 +71,15 @@ def test_unchanged_slice_of_a_changed_tensor_still_dedups(tmp_path: Path) -> Non
     assert repo.last_write.reused_chunks == 64 * 1024 * 4 // 4096 - 1
 
 
-def test_tensor_saved_from_python_and_ingested_from_safetensors_share_chunks(tmp_path: Path) -> None:
+def test_tensor_saved_from_python_and_ingested_from_safetensors_share_chunks(
+    tmp_path: Path,
+) -> None:
     repo = small_chunk_repo(tmp_path / "store", chunk_size=16 << 10)
     torch.manual_seed(2)
-    tensors = {"encoder.weight": torch.randn(128, 256), "decoder.weight": torch.randn(256, 64).bfloat16()}
+    tensors = {
+        "encoder.weight": torch.randn(128, 256),
+        "decoder.weight": torch.randn(256, 64).bfloat16(),
+    }
     repo.save(tensors, "api/model")
     file = tmp_path / "model.safetensors"
     save_file(tensors, file)

@@ -46,9 +46,19 @@ def test_every_dtype_round_trips_bit_exact(tmp_path: Path, dtype: torch.dtype) -
 
 def test_special_float_values_survive(tmp_path: Path) -> None:
     repo = cas.open(tmp_path / "store")
-    specials = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, -1e-45, 5e-324])
-    payload_nans = torch.tensor([0x7FC00001, 0x7F800001, 0xFFC12345], dtype=torch.int64).to(torch.int32).view(torch.float32)
-    state = {"f64": specials.double(), "f32": torch.cat([specials.float(), payload_nans]), "bf16": specials.bfloat16()}
+    specials = torch.tensor(
+        [float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, -1e-45, 5e-324]
+    )
+    payload_nans = (
+        torch.tensor([0x7FC00001, 0x7F800001, 0xFFC12345], dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+    state = {
+        "f64": specials.double(),
+        "f32": torch.cat([specials.float(), payload_nans]),
+        "bf16": specials.bfloat16(),
+    }
     repo.save(state, "t/special")
     assert_bit_exact(state, repo.load("t/special"))
 
@@ -95,7 +105,9 @@ def test_real_adamw_training_state_round_trips(tmp_path: Path) -> None:
     model.load_state_dict(back["model"], strict=True)
     opt = torch.optim.AdamW(model.parameters())
     opt.load_state_dict(back["optimizer"])
-    assert opt.state_dict()["state"][0]["exp_avg_sq"].equal(state["optimizer"]["state"][0]["exp_avg_sq"])
+    assert opt.state_dict()["state"][0]["exp_avg_sq"].equal(
+        state["optimizer"]["state"][0]["exp_avg_sq"]
+    )
     restored = random.Random()
     restored.setstate(back["python_rng"])
     reference = random.Random(5)

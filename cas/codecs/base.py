@@ -35,8 +35,11 @@ class Codec(ABC):
     name: str
 
     @abstractmethod
-    def encode(self, data: memoryview, hints: EncodeHints) -> tuple[bytes, bytes]:
-        """Return ``(params, payload)``; ``params`` is stored in the object header."""
+    def encode(self, data: memoryview, hints: EncodeHints) -> tuple[bytes, bytes | memoryview]:
+        """Return ``(params, payload)``; ``params`` is stored in the object header.
+
+        The payload may be ``data`` itself (no copy); callers write it before ``data`` changes.
+        """
 
     @abstractmethod
     def decode(

@@ -12,8 +12,8 @@ class RawCodec(Codec):
     codec_id = 0
     name = "raw"
 
-    def encode(self, data: memoryview, hints: EncodeHints) -> tuple[bytes, bytes]:
-        return b"", bytes(data)
+    def encode(self, data: memoryview, hints: EncodeHints) -> tuple[bytes, bytes | memoryview]:
+        return b"", data
 
     def decode(
         self, params: bytes, payload: memoryview, decoded_size: int, fetch_base: BaseFetcher
