@@ -1,0 +1,127 @@
+"""FaultyBlobStore: a test wrapper that makes calls fail with TransientBackendError on purpose.
+
+Faults come from two sources: a per-method probability drawn from a seeded ``random.Random``
+(so a failing run replays exactly), and faults queued with ``fail_next`` for a test that needs
+one particular call to fail. A write fault may strike *after* the write happened, which is the
+case a retry layer must not mistake for a conflict. Every call and fault is counted.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
+
+from cas.blobstore.base import BlobInfo, BlobStore, Version
+from cas.errors import TransientBackendError
+
+T = TypeVar("T")
+
+WRITE_METHODS = frozenset({"put", "put_conditional", "delete", "delete_conditional", "touch"})
+
+
+class FaultyBlobStore(BlobStore):
+    """Passes calls to ``inner``, failing some of them with ``TransientBackendError``.
+
+    ``rate`` is the fault probability for every method, overridden per method by ``rates``
+    (keys are method names: "get", "put_conditional", ...). ``after_write`` is the share of
+    write faults raised after the write reached ``inner``.
+    """
+
+    def __init__(
+        self,
+        inner: BlobStore,
+        *,
+        rate: float = 0.0,
+        rates: Mapping[str, float] | None = None,
+        after_write: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.rate = rate
+        self.rates = dict(rates or {})
+        self.after_write = after_write
+        self.calls: Counter[str] = Counter()
+        self.faults: Counter[str] = Counter()
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._queued: dict[str, deque[bool]] = {}
+
+    def fail_next(self, method: str, count: int = 1, *, after_write: bool = False) -> None:
+        """Make the next ``count`` calls of ``method`` fail (after doing it, for writes)."""
+        with self._lock:
+            self._queued.setdefault(method, deque()).extend([after_write] * count)
+
+    def _decide(self, method: str) -> tuple[bool, bool]:
+        """Whether this call fails, and if so whether after doing the work."""
+        with self._lock:
+            self.calls[method] += 1
+            queue = self._queued.get(method)
+            if queue:
+                fail, after = True, queue.popleft()
+            else:
+                fail = self._rng.random() < self.rates.get(method, self.rate)
+                after = fail and method in WRITE_METHODS and self._rng.random() < self.after_write
+            if fail:
+                self.faults[method] += 1
+            return fail, after
+
+    def _run(self, method: str, operation: Callable[[], T]) -> T:
+        fail, after = self._decide(method)
+        if fail and not after:
+            raise TransientBackendError(f"injected fault before {method} on {self.url}")
+        result = operation()
+        if fail:
+            raise TransientBackendError(f"injected fault after {method} on {self.url}")
+        return result
+
+    def get(self, key: str) -> bytes:
+        return self._run("get", lambda: self.inner.get(key))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self._run("get_range", lambda: self.inner.get_range(key, start, end))
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self._run("put", lambda: self.inner.put(key, data))
+
+    def has(self, key: str) -> bool:
+        return self._run("has", lambda: self.inner.has(key))
+
+    def delete(self, key: str) -> None:
+        self._run("delete", lambda: self.inner.delete(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return iter(self._run("list", lambda: list(self.inner.list(prefix))))
+
+    def list_info(self, prefix: str = "") -> Iterator[BlobInfo]:
+        return iter(self._run("list_info", lambda: list(self.inner.list_info(prefix))))
+
+    def stat(self, key: str) -> BlobInfo:
+        return self._run("stat", lambda: self.inner.stat(key))
+
+    def touch(self, key: str) -> None:
+        self._run("touch", lambda: self.inner.touch(key))
+
+    def sync(self) -> None:
+        self._run("sync", self.inner.sync)
+
+    def get_versioned(self, key: str) -> tuple[bytes, Version]:
+        return self._run("get_versioned", lambda: self.inner.get_versioned(key))
+
+    def put_conditional(
+        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
+    ) -> Version:
+        return self._run("put_conditional", lambda: self.inner.put_conditional(key, data, expected))
+
+    def delete_conditional(self, key: str, expected: Version) -> None:
+        self._run("delete_conditional", lambda: self.inner.delete_conditional(key, expected))
+
+    @property
+    def supports_conditional_writes(self) -> bool:
+        return self.inner.supports_conditional_writes
+
+    def close(self) -> None:
+        self.inner.close()

