@@ -31,7 +31,8 @@ class Context:
         import cas
 
         options: dict[str, Any] = {}
-        if self.endpoint_url:
+        # AWS_ENDPOINT_URL feeds --endpoint-url; only S3 stores take it (a local one would fail).
+        if self.endpoint_url and (self.store or "").startswith(("s3://", "s3a://")):
             options["endpoint_url"] = self.endpoint_url
         return cas.open(self.store, create=create, readonly=readonly, **options)
 

@@ -1,0 +1,178 @@
+"""Transfer commands: push, pull and archive refs between this store and another (S3 or any URL)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from cas.cli.app import Context, cli, emit_json, human_bytes
+
+pass_ctx = click.make_pass_decorator(Context)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+codec_option = click.option(
+    "--codec", default="keep", show_default=True, metavar="NAME",
+    help="Re-encode copied chunks (zstd, raw, bytegroup-zstd, auto); keep copies them as stored.",
+)  # fmt: skip
+jobs_option = click.option(
+    "-j", "--jobs", type=click.IntRange(1, 256), default=16, show_default=True,
+    help="Parallel copies.",
+)  # fmt: skip
+
+
+def _open_other(obj: Context, url: str | None, **kw: Any) -> Any:
+    """Open a store by URL (None: the default); ``--endpoint-url`` applies to S3 URLs."""
+    import cas
+
+    options: dict[str, Any] = {}
+    if obj.endpoint_url and (url or "").startswith(("s3://", "s3a://")):
+        options["endpoint_url"] = obj.endpoint_url
+    return cas.open(url, **kw, **options)
+
+
+@contextmanager
+def _transfer_bar(obj: Context, desc: str) -> Iterator[Callable[[int, int], None]]:
+    """A byte bar counting moved + skipped, with both shown separately."""
+    from tqdm import tqdm
+
+    totals = {"moved": 0, "skipped": 0}
+    with tqdm(
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=obj.quiet,
+        file=sys.stderr,
+        leave=False,
+    ) as bar:
+
+        def update(moved: int, skipped: int) -> None:
+            totals["moved"] += moved
+            totals["skipped"] += skipped
+            bar.set_postfix_str(
+                f"moved {human_bytes(totals['moved'])}, skipped {human_bytes(totals['skipped'])}",
+                refresh=False,
+            )
+            bar.update(moved + skipped)
+
+        yield update
+
+
+def _print_report(report: Any, verb: str) -> None:
+    for ref in report.refs:
+        click.echo(f"{ref.status:<9} {ref.name} -> {ref.new[:16]}")
+    click.echo(
+        f"{verb} {human_bytes(report.bytes_moved)} in {report.chunks_moved} chunks "
+        f"({human_bytes(report.wire_bytes)} stored), skipped {human_bytes(report.bytes_skipped)} "
+        f"in {report.chunks_skipped} chunks already there; {report.refs_updated} refs updated "
+        f"in {report.seconds:.1f} s"
+    )
+
+
+@cli.command()
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--to", "url", required=True, metavar="URL", help="Destination store (s3://..., a path).")
+@codec_option
+@jobs_option
+@json_option
+@pass_ctx
+def push(
+    obj: Context, refs: tuple[str, ...], url: str, codec: str, jobs: int, as_json: bool
+) -> None:
+    """Copy REFS (names, prefixes or globs like 'runs/r1/**') to the store at URL.
+
+    Only chunks the destination lacks are sent; its refs move last, by compare-and-swap.
+    Interrupted, run it again: it sends only the rest.
+    """
+    from cas.transfer import push as run_push
+
+    local = obj.open(create=False)
+    remote = _open_other(obj, url, config=local.config)
+    with _transfer_bar(obj, f"push {url}") as update:
+        report = run_push(local, remote, list(refs), jobs=jobs, progress=update, codec=codec)
+    if as_json:
+        emit_json(report.as_dict())
+    else:
+        _print_report(report, "sent")
+
+
+@cli.command()
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--from", "url", required=True, metavar="URL", help="Source store (s3://..., a path).")
+@codec_option
+@jobs_option
+@json_option
+@pass_ctx
+def pull(
+    obj: Context, refs: tuple[str, ...], url: str, codec: str, jobs: int, as_json: bool
+) -> None:
+    """Copy REFS (names, prefixes or globs) from the store at URL into this one."""
+    from cas.errors import NotFound
+    from cas.transfer import pull as run_pull
+
+    remote = _open_other(obj, url, create=False, readonly=True)
+    try:
+        local = obj.open(create=False)
+    except NotFound:
+        local = _open_other(obj, obj.store, config=remote.config)
+    with _transfer_bar(obj, f"pull {url}") as update:
+        report = run_pull(local, remote, list(refs), jobs=jobs, progress=update, codec=codec)
+    if as_json:
+        emit_json(report.as_dict())
+    else:
+        _print_report(report, "received")
+
+
+@cli.command()
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--to", "url", required=True, metavar="URL", help="Archive store (s3://...).")
+@click.option(
+    "--grace", default="0", show_default=True, metavar="DURATION",
+    help="Keep local chunks touched this recently (e.g. 1h).",
+)  # fmt: skip
+@codec_option
+@jobs_option
+@json_option
+@pass_ctx
+def archive(
+    obj: Context,
+    refs: tuple[str, ...],
+    url: str,
+    grace: str,
+    codec: str,
+    jobs: int,
+    as_json: bool,
+) -> None:
+    """Push REFS to URL, remove them here, and free local chunks no remaining ref needs.
+
+    Bring one back with `cas pull REF --from URL`.
+    """
+    from cas.archive import archive as run_archive
+    from cas.units import parse_duration
+
+    try:
+        grace_seconds = parse_duration(grace)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--grace") from e
+    local = obj.open(create=False)
+    remote = _open_other(obj, url, config=local.config)
+    with _transfer_bar(obj, f"archive {url}") as update:
+        report = run_archive(
+            local, remote, list(refs), jobs=jobs, progress=update, grace=grace_seconds, codec=codec
+        )
+    if as_json:
+        emit_json(report.as_dict())
+        return
+    _print_report(report.transfer, "sent")
+    for name in report.kept_refs:
+        click.echo(f"kept      {name} (it moved meanwhile; not removed here)")
+    click.echo(
+        f"removed {len(report.removed_refs)} local refs, freed {human_bytes(report.freed_bytes)} "
+        f"({report.freed_chunks} chunks, {report.freed_manifests} manifests); "
+        f"{report.kept_chunks} chunks still used locally"
+    )
+    if report.note:
+        click.echo(report.note, err=True)

@@ -1,0 +1,122 @@
+"""A local cache in front of S3, and archiving: push, drop locally, free what no local ref needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cas
+from cas.archive import archive
+from cas.blobstore import LocalBlobStore
+from cas.blobstore.faulty import FaultyBlobStore
+from cas.blobstore.s3 import S3BlobStore
+from cas.cache import CachingBlobStore
+from cas.config import StoreConfig, read_config
+from cas.errors import IntegrityError
+from cas.objects import chunk_key
+from cas.repo import Repository
+from cas.transfer import pull
+from tests.helpers import assert_bit_exact, chunk_files, small_chunk_repo
+
+CONFIG = StoreConfig(chunk_size=64 << 10, inline_max=256)
+
+
+def model_state(seed: int, layers: int = 6) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn(128, 256, generator=generator) for i in range(layers)}
+
+
+def cached_repo(s3_url: str, cache_dir: Path) -> tuple[Repository, FaultyBlobStore]:
+    """A repository over S3 through a cache, with the remote's calls counted."""
+    counted = FaultyBlobStore(S3BlobStore.from_url(s3_url))  # rate 0: it only counts
+    blobs = CachingBlobStore(LocalBlobStore(cache_dir), counted)
+    config = read_config(blobs)
+    assert config is not None
+    return Repository(blobs, config), counted
+
+
+@pytest.mark.s3
+def test_a_second_read_through_the_cache_does_not_touch_the_remote(
+    tmp_path: Path, s3_url: str
+) -> None:
+    state = model_state(1)
+    cas.open(s3_url, config=CONFIG).save(state, "runs/r1/latest")
+    repo, remote = cached_repo(s3_url, tmp_path / "cache")
+
+    assert_bit_exact(repo.load("runs/r1/latest"), state)
+    first_gets = remote.calls["get"]
+    remote.calls.clear()
+    assert_bit_exact(repo.load("runs/r1/latest"), state)
+
+    assert first_gets >= 6 * 2  # every chunk (and the manifest) came from S3 once
+    assert remote.calls["get"] == 0
+    assert remote.calls["get_versioned"] == 1  # only the ref is asked for: refs are never cached
+
+
+@pytest.mark.s3
+def test_a_corrupt_remote_chunk_is_refused_and_never_cached(tmp_path: Path, s3_url: str) -> None:
+    writer = cas.open(s3_url, config=CONFIG)
+    digest = writer.save(model_state(2, layers=1), "a")
+    victim = sorted(writer.manifest(digest).chunk_digests())[0]
+    blob = bytearray(writer.blobs.get(chunk_key(victim)))
+    blob[-1] ^= 0x01
+    writer.blobs.put(chunk_key(victim), bytes(blob))
+    repo, _ = cached_repo(s3_url, tmp_path / "cache")
+
+    with pytest.raises(IntegrityError, match=victim):
+        repo.load("a")
+    assert isinstance(repo.blobs, CachingBlobStore)
+    assert not repo.blobs.cached(chunk_key(victim))
+
+
+@pytest.mark.s3
+def test_saves_through_the_cache_land_on_the_remote_before_the_ref(
+    tmp_path: Path, s3_url: str
+) -> None:
+    cas.open(s3_url, config=CONFIG)
+    through_cache = cas.open(s3_url, cache=tmp_path / "cache")
+    state = model_state(3)
+
+    through_cache.save(state, "runs/r1/latest")
+
+    assert_bit_exact(cas.open(s3_url).load("runs/r1/latest"), state)  # no cache: all on S3
+    cached_chunks = set(LocalBlobStore(tmp_path / "cache").list("chunks/"))
+    assert cached_chunks == set(through_cache.blobs.list("chunks/"))
+
+
+def test_archive_frees_only_chunks_no_remaining_local_ref_needs(tmp_path: Path) -> None:
+    local = small_chunk_repo(tmp_path / "local")
+    remote = small_chunk_repo(tmp_path / "archive")
+    old = model_state(4)
+    new = {**old, "layer0": old["layer0"] + 1}  # shares five of six tensors with ``old``
+    local.save(old, "runs/r1/ckpt_step00000100")
+    local.save(new, "runs/r1/ckpt_step00000200")
+    before = chunk_files(local)
+    only_old = {chunk_key(d) for d in local.manifest("runs/r1/ckpt_step00000100").chunk_digests()}
+    only_old -= {chunk_key(d) for d in local.manifest("runs/r1/ckpt_step00000200").chunk_digests()}
+
+    report = archive(local, remote, ["runs/r1/ckpt_step00000100"])
+
+    assert report.removed_refs == ["runs/r1/ckpt_step00000100"]
+    assert report.freed_chunks == len(only_old) == 2  # layer0 is 128 KiB: two 64 KiB chunks
+    assert chunk_files(local) == before - only_old
+    assert [r.name for r in local.refs()] == ["runs/r1/ckpt_step00000200"]
+    assert_bit_exact(local.load("runs/r1/ckpt_step00000200"), new)
+    pull(local, remote, ["runs/r1/ckpt_step00000100"])
+    assert_bit_exact(local.load("runs/r1/ckpt_step00000100"), old)
+
+
+def test_archive_of_a_checkpoint_another_local_ref_names_frees_nothing(tmp_path: Path) -> None:
+    local = small_chunk_repo(tmp_path / "local")
+    local.save(model_state(5), "runs/r1/ckpt_step00000100")
+    local.cp("runs/r1/ckpt_step00000100", "gates/best")
+    before = chunk_files(local)
+
+    report = archive(local, small_chunk_repo(tmp_path / "archive"), ["runs/r1"])
+
+    assert report.removed_refs == ["runs/r1/ckpt_step00000100"]
+    assert report.freed_chunks == 0 and chunk_files(local) == before
+    assert_bit_exact(local.load("gates/best"), model_state(5))
