@@ -73,10 +73,21 @@ class ChunkIO:
         stats: WriteStats,
         progress: Progress | None = None,
     ) -> list[Future[ChunkRef]]:
-        """Submit one put per cut of ``data``; the futures resolve to ChunkRefs in cut order."""
+        """Submit one put per cut of ``data``; the futures resolve to ChunkRefs in cut order.
+
+        The ChunkRefs carry no base chain, so every chunk is left standalone: a delta codec is
+        refused, and an existing chunk stored as a delta is re-encoded with ``codec`` (same
+        identity) so a manifest listing only these refs is complete for GC. Writers that record
+        base chains use ``cas.encoding`` instead.
+        """
+        if codec.needs_base:
+            raise ValueError(f"write_cuts cannot record delta bases; {codec.name} needs one")
 
         def put_one(cut: Cut, hint: EncodeHints) -> ChunkRef:
-            result = self.objects.put_chunk(data[cut.offset : cut.offset + cut.size], codec, hint)
+            view = data[cut.offset : cut.offset + cut.size]
+            result = self.objects.put_chunk(view, codec, hint)
+            if result.base is not None:
+                result = self.objects.put_chunk(view, codec, hint, result.digest, replace=True)
             stats.add(result)
             if progress is not None:
                 progress(cut.size)

@@ -217,6 +217,12 @@ def _unpack_tensor(raw: Any) -> TensorEntry:
         )
     encoding = raw.get("encoding")
     _expect(encoding is None or isinstance(encoding, dict), "bad encoding")
+    if encoding is not None:
+        bases = encoding.get("base", [])
+        _expect(isinstance(bases, list), "encoding base is not a list")
+        _expect(all(isinstance(b, (bytes, str)) for b in bases), "bad encoding base digest")
+        for base in bases:
+            parse_digest(base)
     if "inline" in raw:
         inline = raw["inline"]
         _expect(

@@ -90,6 +90,10 @@ class PutResult:
     size: int
     stored_bytes: int
     new: bool
+    base: Digest | None = None
+    """The chunk this one is encoded against (delta codecs), for a new chunk and an existing one
+    alike: a writer that reuses a chunk must record its base chain in the manifest (GC reads
+    manifests only)."""
 
 
 class ObjectStore:
@@ -115,25 +119,45 @@ class ObjectStore:
         digest: Digest | None = None,
         *,
         freshen: bool = True,
+        replace: bool = False,
+        encoded: tuple[bytes, bytes | memoryview] | None = None,
     ) -> PutResult:
-        """Store one chunk unless present; return its digest and the bytes written."""
+        """Store one chunk unless present; return its digest, the bytes written and its base.
+
+        Presence is learnt from the stored header, which also gives the base an existing chunk
+        was delta-encoded against. An existing chunk whose header is unreadable (damaged, or an
+        unknown codec) is written again; ``replace=True`` always writes, e.g. to re-encode a chunk
+        standalone when its stored base chain is broken. Decoded bytes, hence identity, never
+        change. ``encoded`` is ``codec.encode(data, hints)`` when the caller already has it.
+        """
         view = memoryview(data).cast("B")
         digest = digest or digest_of(view)
         key = chunk_key(digest)
-        if self.blobs.has(key):
-            if freshen:
+        if not replace:
+            present, base = self._stored_base(key)
+            if present:
+                if not freshen:
+                    return PutResult(digest, len(view), 0, False, base)
                 try:
                     self.blobs.touch(key)
                 except FileNotFoundError:
-                    pass  # swept between has() and touch(): fall through and write it again
+                    pass  # swept between the header read and touch(): write it again
                 else:
-                    return PutResult(digest, len(view), 0, False)
-            else:
-                return PutResult(digest, len(view), 0, False)
-        params, payload = codec.encode(view, hints)
+                    return PutResult(digest, len(view), 0, False, base)
+        params, payload = encoded if encoded is not None else codec.encode(view, hints)
         header = encode_header(codec, params, len(view))
         self.blobs.put_parts(key, (header, payload))
-        return PutResult(digest, len(view), len(header) + len(payload), True)
+        base = codec.base_of(params) if codec.needs_base else None
+        return PutResult(digest, len(view), len(header) + len(payload), True, base)
+
+    def _stored_base(self, key: str) -> tuple[bool, Digest | None]:
+        """``(present and readable, base)`` of a stored chunk, from its header only."""
+        try:
+            head = self.blobs.get_range(key, 0, HEADER_SIZE + MAX_PARAMS)
+            envelope = parse_envelope(head, self.max_object_size)
+            return True, codec_by_id(envelope.codec_id).base_of(envelope.params)
+        except (NotFound, FormatError):
+            return False, None
 
     def stored_size(self, digest: Digest) -> int:
         """Bytes the chunk occupies in the store."""
@@ -158,11 +182,13 @@ class ObjectStore:
         if self.blobs.reads_in_place:
             header = bytearray(HEADER_SIZE)
             got = self.blobs.read_into(key, 0, memoryview(header))
-            try:
-                envelope = parse_envelope(bytes(header[:got]), self.max_object_size)
-            except FormatError as e:
-                raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
-            if envelope.codec_id == 0 and envelope.decoded_size == len(out):
+            if got < HEADER_SIZE:
+                raise IntegrityError(f"chunk {digest} is corrupt: shorter than its header")
+            # Only the fixed fields are here; other codecs' parameters follow and are checked
+            # by get_chunk below.
+            magic, version, codec_id, params_len, decoded_size = _HEADER.unpack_from(header, 0)
+            raw = (magic, version, codec_id, params_len) == (OBJECT_MAGIC, OBJECT_VERSION, 0, 0)
+            if raw and decoded_size == len(out):
                 got = self.blobs.read_into(key, HEADER_SIZE, out)
                 if got != len(out) or digest_of(out) != digest:
                     raise IntegrityError(
@@ -197,9 +223,9 @@ class ObjectStore:
         head = self.blobs.get_range(chunk_key(digest), 0, HEADER_SIZE + MAX_PARAMS)
         try:
             envelope = parse_envelope(head, self.max_object_size)
+            return codec_by_id(envelope.codec_id).base_of(envelope.params)
         except FormatError as e:
             raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
-        return codec_by_id(envelope.codec_id).base_of(envelope.params)
 
     def put_manifest(self, data: bytes, codec: Codec) -> Digest:
         """Store an encoded manifest; return its digest."""

@@ -27,21 +27,26 @@ def _tree_size(path: Path) -> int:
 
 @cli.command()
 @click.option("--chunk-size", type=int, default=None, help="Tensor chunk size in bytes [4 MiB].")
-@click.option("--codec", default=None, help="Default codec for new chunks [raw].")
+@click.option(
+    "--codec",
+    default=None,
+    help="Default codec for new chunks: raw (hot, memory-mappable), zstd, bytegroup-zstd, or auto "
+    "(per tensor, deltas against the previous checkpoint) [raw].",
+)
 @json_option
 @pass_ctx
 def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool) -> None:
     """Create a store (other commands create one on first use too)."""
     from dataclasses import replace
 
-    from cas.codecs import codec_by_name
+    from cas.encoding import standalone_codec
     from cas.config import StoreConfig
 
     config = StoreConfig()
     if chunk_size:
         config = replace(config, chunk_size=chunk_size)
     if codec:
-        codec_by_name(codec)
+        standalone_codec(codec, 1)  # an unknown name is an error here
         config = replace(config, codec=codec)
     import cas
 
@@ -66,7 +71,18 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     is_flag=True,
     help="Store pickles that are not weights-only (e.g. HF training_args.bin) as opaque bytes; cas never loads them.",
 )
-@click.option("--codec", default=None, help="Codec for new chunks (default: the store's).")
+@click.option(
+    "--codec",
+    default=None,
+    help="Codec for new chunks: raw, zstd, bytegroup-zstd, auto (per tensor, deltas against "
+    "--parent), xor-delta, sub-delta [the store's].",
+)
+@click.option(
+    "--parent",
+    default=None,
+    metavar="REF",
+    help="Checkpoint whose same-named tensors are delta bases [REF's current version].",
+)
 @json_option
 @pass_ctx
 def put(
@@ -76,6 +92,7 @@ def put(
     meta: tuple[str, ...],
     allow_pickles: bool,
     codec: str | None,
+    parent: str | None,
     as_json: bool,
 ) -> None:
     """Ingest PATH (a .pt, .safetensors, any file, or a directory) under REF.
@@ -88,7 +105,13 @@ def put(
     repo = obj.open()
     with progress_bar(obj, _tree_size(path), f"put {path.name}") as update:
         digest = repo.put_path(
-            path, ref, metadata, allow_opaque_pickles=allow_pickles, codec=codec, progress=update
+            path,
+            ref,
+            metadata,
+            allow_opaque_pickles=allow_pickles,
+            codec=codec,
+            parent=parent,
+            progress=update,
         )
     stats = repo.last_write.as_dict()
     if as_json:
@@ -199,15 +222,22 @@ def show(obj: Context, ref: str, as_json: bool) -> None:
     click.echo(f"ref       {info['ref']}\nmanifest  {info['manifest']}\nkind      {info['kind']}")
     click.echo(f"created   {_when(info['created_at'])}\nparent    {info['parent'] or '-'}")
     click.echo(f"size      {human_bytes(info['logical_bytes'])} in {info['chunks']} chunks")
+    stored = f"stored    {human_bytes(info['stored_bytes'])} (ratio {info['ratio']:.3f})"
+    if info["base_chunks"]:
+        stored += f", {human_bytes(info['stored_with_bases'])} with {info['base_chunks']} delta bases"
+    if info["missing_chunks"]:
+        stored += f", {info['missing_chunks']} chunks MISSING"
+    click.echo(stored)
     for key, value in info["meta"].items():
         click.echo(f"meta      {key} = {value}")
     for path, f in info["files"].items():
         click.echo(f"file      {path}  {f['format']}  {human_bytes(f['size'])}")
     if info["tensors"]:
-        click.echo(f"{'dtype':<14} {'shape':<22} {'bytes':>10}  path")
+        click.echo(f"{'dtype':<14} {'shape':<22} {'bytes':>10}  {'codec':<14}  path")
         for t in info["tensors"]:
             click.echo(
-                f"{t['dtype']:<14} {list(t['shape'])!s:<22} {human_bytes(t['nbytes']):>10}  {t['path']}"
+                f"{t['dtype']:<14} {list(t['shape'])!s:<22} {human_bytes(t['nbytes']):>10}  "
+                f"{t['codec']:<14}  {t['path']}"
             )
 
 

@@ -1,13 +1,23 @@
-"""Chunk codecs by registered id: raw, zstd, byte-grouped zstd, XOR delta."""
+"""Chunk codecs by registered id (never reused): 0 raw, 1 zstd, 2 bytegroup-zstd, 3 xor-delta, 4 sub-delta."""
 
 from __future__ import annotations
 
 from cas.codecs.base import BaseFetcher, Codec, EncodeHints
+from cas.codecs.bytegroup import ByteGroupCodec
 from cas.codecs.raw import RawCodec
+from cas.codecs.xor_delta import SubDeltaCodec, XorDeltaCodec
 from cas.codecs.zstd import ZstdCodec
 from cas.errors import FormatError
 
-__all__ = ["BaseFetcher", "Codec", "EncodeHints", "codec_by_id", "codec_by_name", "register"]
+__all__ = [
+    "BaseFetcher",
+    "Codec",
+    "EncodeHints",
+    "all_codecs",
+    "codec_by_id",
+    "codec_by_name",
+    "register",
+]
 
 _BY_ID: dict[int, Codec] = {}
 _BY_NAME: dict[str, Codec] = {}
@@ -30,6 +40,11 @@ def codec_by_id(codec_id: int) -> Codec:
         raise FormatError(f"unknown codec id {codec_id} (written by a newer cas?)") from None
 
 
+def all_codecs() -> list[Codec]:
+    """Every registered codec, by id."""
+    return [_BY_ID[i] for i in sorted(_BY_ID)]
+
+
 def codec_by_name(name: str) -> Codec:
     """The codec with a registered name; an unknown name is a FormatError."""
     try:
@@ -41,3 +56,6 @@ def codec_by_name(name: str) -> Codec:
 
 register(RawCodec())
 register(ZstdCodec())
+register(ByteGroupCodec())
+register(XorDeltaCodec())
+register(SubDeltaCodec())

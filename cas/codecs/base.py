@@ -20,7 +20,7 @@ class EncodeHints:
 
     elem_size: int = 1
     level: int = 3
-    base: bytes | None = None
+    base: bytes | memoryview | None = None
     base_digest: Digest | None = None
 
 
@@ -33,6 +33,8 @@ class Codec(ABC):
 
     codec_id: int
     name: str
+    needs_base = False
+    """Delta codecs encode against a base chunk (``EncodeHints.base``) and decode through it."""
 
     @abstractmethod
     def encode(self, data: memoryview, hints: EncodeHints) -> tuple[bytes, bytes | memoryview]:

@@ -1,0 +1,338 @@
+"""Delta checkpoints: smaller stores, bounded chains, bases kept alive from manifests alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+import cas
+from cas.cli import cli
+from cas.config import StoreConfig
+from cas.digest import Digest
+from cas.manifest import Manifest
+from cas.objects import chunk_key
+from cas.recode import recode_chunk, recode_manifest
+from cas.usage import manifest_usage, stored_bytes
+from tests.helpers import assert_bit_exact, local_root
+
+CHUNK = 16 << 10
+
+
+def delta_repo(root: Path, max_depth: int = 8, codec: str = "auto") -> cas.Repository:
+    extra = {"delta": {"max_depth": max_depth}}
+    return cas.open(
+        root, config=StoreConfig(chunk_size=CHUNK, inline_max=256, codec=codec, extra=extra)
+    )
+
+
+def training_states(count: int, width: int = 96, seed: int = 0) -> list[dict[str, Any]]:
+    """Snapshots of a real model + AdamW state, a few optimizer steps apart."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width * 2), torch.nn.GELU(), torch.nn.Linear(width * 2, 4)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    states = []
+    for _ in range(count):
+        for _ in range(3):
+            model(torch.randn(32, width)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        snapshot = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        states.append(_clone(snapshot))
+    return states
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
+
+
+def tensor_encodings(repo: cas.Repository, ref: str) -> dict[str, dict[str, Any]]:
+    from cas.state import iter_tensor_paths
+
+    manifest = repo.manifest(ref)
+    return {p: manifest.tensors[i].encoding or {} for p, i in iter_tensor_paths(manifest.tree)}
+
+
+def simulate_gc(repo: cas.Repository) -> int:
+    """Delete every chunk no remaining ref's manifest names (bases included); return how many."""
+    keep: set[Digest] = set()
+    for record in repo.refs():
+        manifest: Manifest = repo.manifest(record.target)
+        keep |= manifest.chunk_digests()
+    deleted = 0
+    for key in list(repo.blobs.list("chunks/")):
+        if key.rsplit("/", 1)[-1] not in keep:
+            repo.blobs.delete(key)
+            deleted += 1
+    return deleted
+
+
+def test_consecutive_checkpoints_are_stored_as_deltas_and_load_bit_exact(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    states = training_states(4)
+    for state in states:
+        repo.save(state, "runs/r1/latest")
+    weight = tensor_encodings(repo, "runs/r1/latest")["model.0.weight"]
+    assert weight["codec"] in ("xor-delta", "sub-delta")
+    assert weight["depth"] == 3 and len(weight["base"]) >= 3
+    for back, state in enumerate(reversed(states)):
+        assert_bit_exact(repo.load(f"runs/r1/latest~{back}"), state)
+    raw = delta_repo(tmp_path / "raw", codec="raw")
+    for state in states:
+        raw.save(state, "runs/r1/latest")
+    ratio = stored_bytes(repo, _all_chunks(repo)) / stored_bytes(raw, _all_chunks(raw))
+    assert ratio < 0.85
+
+
+def _all_chunks(repo: cas.Repository) -> list[Digest]:
+    return [Digest(key.rsplit("/", 1)[-1]) for key in repo.blobs.list("chunks/")]
+
+
+def test_a_chain_at_max_depth_is_followed_by_a_keyframe(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s", max_depth=2)
+    states = training_states(6)
+    depths = []
+    for state in states:
+        repo.save(state, "ckpt")
+        depths.append(tensor_encodings(repo, "ckpt")["model.0.weight"].get("depth", 0))
+    assert depths == [0, 1, 2, 0, 1, 2]
+    for back, state in enumerate(reversed(states)):
+        assert_bit_exact(repo.load(f"ckpt~{back}"), state)
+
+
+def test_a_base_that_is_itself_a_delta_decodes_and_is_listed(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    states = training_states(3)
+    for state in states:
+        repo.save(state, "ckpt")
+    first = repo.manifest("ckpt~2").tensors
+    second = repo.manifest("ckpt~1")
+    third = repo.manifest("ckpt")
+    index = next(i for i, t in enumerate(third.tensors) if (t.encoding or {}).get("depth") == 2)
+    bases = set(third.tensors[index].base_digests())
+    # Both the parent's chunks (a delta) and the grandparent's (the keyframe) are listed.
+    assert {c.digest for c in second.tensors[index].chunks} <= bases
+    assert {c.digest for c in first[index].chunks} <= bases
+    middle = second.tensors[index].chunks[0].digest
+    assert repo.objects.chunk_base(middle) is not None
+    assert_bit_exact(repo.load("ckpt"), states[-1])
+
+
+def test_a_corrupted_base_chunk_fails_the_dependent_tensor_with_integrity_error(
+    tmp_path: Path,
+) -> None:
+    repo = delta_repo(tmp_path / "s")
+    states = training_states(2)
+    repo.save(states[0], "ckpt")
+    repo.save(states[1], "ckpt")
+    entry = next(t for t in repo.manifest("ckpt").tensors if t.base_digests())
+    base = entry.base_digests()[0]
+    path = local_root(repo) / chunk_key(base)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(cas.IntegrityError):
+        repo.load("ckpt")
+
+
+def test_gc_from_manifests_alone_keeps_the_bases_of_a_kept_checkpoint(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    states = training_states(3)
+    repo.save(states[0], "runs/r1/step1")
+    repo.save(states[1], "runs/r1/step2", parent="runs/r1/step1")
+    repo.save(states[2], "runs/r1/step3", parent="runs/r1/step2")
+    repo.rm("runs/r1/step1")
+    repo.rm("runs/r1/step2")
+    simulate_gc(repo)
+    assert_bit_exact(repo.load("runs/r1/step3"), states[2])
+
+
+def test_reusing_a_delta_chunk_records_its_bases_so_gc_spares_them(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    states = training_states(2)
+    repo.save(states[0], "a")
+    repo.save(states[1], "b", parent="a")
+    # The same weights saved again with no parent: every chunk is a dedup hit on a delta chunk.
+    repo.save(states[1], "gates/best")
+    manifest = repo.manifest("gates/best")
+    assert any(t.base_digests() for t in manifest.tensors)
+    assert repo.last_write.new_chunks == 0
+    repo.rm("a")
+    repo.rm("b")
+    assert simulate_gc(repo) > 0
+    assert_bit_exact(repo.load("gates/best"), states[1])
+
+
+def test_a_raw_store_rewrites_a_reused_delta_chunk_standalone(tmp_path: Path) -> None:
+    delta_store = delta_repo(tmp_path / "s")
+    states = training_states(2)
+    delta_store.save(states[0], "a")
+    delta_store.save(states[1], "b", parent="a")
+    raw_store = cas.open(tmp_path / "s")
+    raw_store.save(states[1], "hot", codec="raw")
+    assert not any(t.base_digests() for t in raw_store.manifest("hot").tensors)
+    raw_store.rm("a")
+    raw_store.rm("b")
+    simulate_gc(raw_store)
+    assert_bit_exact(raw_store.load("hot", mmap=True), states[1])
+
+
+def test_a_reused_chunk_whose_base_is_gone_is_rewritten(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    states = training_states(2)
+    repo.save(states[0], "a")
+    repo.save(states[1], "b", parent="a")
+    for digest in repo.manifest("a").chunk_digests() - repo.manifest("b").chunk_digests():
+        repo.blobs.delete(chunk_key(digest))
+    # "a" is half gone and "b" cannot decode; saving b's state again heals the chunks it needs.
+    base_entries = {d for t in repo.manifest("b").tensors for d in t.base_digests()}
+    for digest in base_entries:
+        repo.blobs.delete(chunk_key(digest))
+    repo.save(states[1], "again")
+    assert_bit_exact(repo.load("again"), states[1])
+    assert_bit_exact(repo.load("b"), states[1])
+
+
+def test_a_fine_tune_is_a_delta_against_its_named_base_model(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    torch.manual_seed(0)
+    base = {"encoder.weight": torch.randn(256, 128), "head.weight": torch.randn(8, 128)}
+    tuned = {k: v + 1e-4 * torch.randn_like(v) for k, v in base.items()}
+    repo.save(base, "models/base")
+    repo.save(tuned, "runs/ft/final", parent="models/base")
+    encodings = tensor_encodings(repo, "runs/ft/final")
+    assert encodings["encoder.weight"]["codec"] in ("xor-delta", "sub-delta")
+    usage = manifest_usage(repo, repo.manifest("runs/ft/final"))
+    assert usage.ratio < 0.6 and usage.stored_with_bases > usage.stored_bytes
+    assert_bit_exact(repo.load("runs/ft/final"), tuned)
+
+
+def test_a_frozen_tensor_costs_nothing_and_needs_no_trial(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    torch.manual_seed(0)
+    frozen = torch.randn(128, 128)
+    repo.save({"frozen": frozen, "head": torch.randn(64, 64)}, "ft")
+    repo.save({"frozen": frozen, "head": torch.randn(64, 64)}, "ft")
+    stats = repo.last_write
+    assert stats.reused_chunks == frozen.numel() * 4 // CHUNK
+
+
+def test_incompressible_tensors_stay_raw(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    noise = torch.randint(
+        0, 256, (100_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    repo.save({"noise": noise, "zeros": torch.zeros(100_000)}, "r")
+    encodings = tensor_encodings(repo, "r")
+    assert encodings["noise"] == {}
+    assert encodings["zeros"]["codec"] in ("zstd", "bytegroup-zstd")
+    assert_bit_exact(repo.load("r", mmap=True), {"noise": noise, "zeros": torch.zeros(100_000)})
+
+
+def test_ingested_safetensors_files_delta_against_the_parent_file(tmp_path: Path) -> None:
+    repo = delta_repo(tmp_path / "s")
+    states = training_states(2)
+    paths = []
+    for i, state in enumerate(states):
+        path = tmp_path / f"v{i}" / "model.safetensors"
+        path.parent.mkdir()
+        save_file({k: v.contiguous() for k, v in state["model"].items()}, str(path))
+        paths.append(path)
+    repo.put_path(paths[0], "files/model")
+    repo.put_path(paths[1], "files/model")
+    manifest = repo.manifest("files/model")
+    assert any(
+        (t.encoding or {}).get("codec") in ("xor-delta", "sub-delta") for t in manifest.tensors
+    )
+    out = repo.get_path("files/model", tmp_path / "out")
+    assert out[0].read_bytes() == paths[1].read_bytes()
+
+
+def test_the_cli_takes_a_parent_and_shows_stored_bytes(tmp_path: Path) -> None:
+    store = str(tmp_path / "s")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["--store", store, "init", "--codec", "auto", "--chunk-size", str(CHUNK)])
+    assert result.exit_code == 0 and "codec auto" in result.output, result.output
+    assert runner.invoke(cli, ["--store", str(tmp_path / "x"), "init", "--codec", "nope"]).exit_code == 1
+    states = training_states(2)
+    for i, state in enumerate(states):
+        path = tmp_path / f"v{i}.safetensors"
+        save_file({k: v.contiguous() for k, v in state["model"].items()}, str(path))
+        ref = "models/v0" if i == 0 else "models/v1"
+        args = ["--store", store, "put", str(path), ref, "--codec", "auto"]
+        if i:
+            args += ["--parent", "models/v0"]
+        result = runner.invoke(cli, args)
+        assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["--store", store, "show", "models/v1"])
+    assert result.exit_code == 0, result.output
+    assert "stored" in result.output and "delta bases" in result.output
+    assert "-delta" in result.output
+    result = runner.invoke(cli, ["--store", store, "show", "models/v1", "--json"])
+    assert '"ratio"' in result.output
+
+
+def test_a_hot_raw_copy_and_a_compressed_archive_share_identities(tmp_path: Path) -> None:
+    hot = cas.open(tmp_path / "hot", config=StoreConfig(chunk_size=CHUNK, inline_max=256))
+    archive = delta_repo(tmp_path / "archive")
+    states = training_states(2)
+    hot.save(states[0], "ckpt")
+    digest = hot.save(states[1], "ckpt")
+    manifest = hot.manifest("ckpt")
+    results = list(recode_manifest(hot.objects, archive.objects, manifest, "auto"))
+    assert all(r.new for r in results)
+    archive.objects.put_manifest(hot.objects.get_manifest(digest), archive.codec("zstd"))
+    archive.refs_store.set("ckpt", digest)
+    assert_bit_exact(archive.load("ckpt"), states[1])
+    assert stored_bytes(archive, manifest.chunk_digests()) < stored_bytes(
+        hot, manifest.chunk_digests()
+    )
+    # Deltas travel as they are ("keep"), their bases first.
+    archive.save(states[0], "old")
+    archive.save(states[1], "new", parent="old")
+    mirror = cas.open(tmp_path / "mirror")
+    new_manifest = archive.manifest("new")
+    for ref in new_manifest.chunk_refs():
+        recode_chunk(archive.objects, mirror.objects, ref.digest, "keep")
+    for ref in new_manifest.chunk_refs():
+        assert mirror.objects.get_chunk(ref.digest) == archive.objects.get_chunk(ref.digest)
+    with pytest.raises(cas.FormatError):
+        recode_chunk(
+            hot.objects, archive.objects, manifest.tensors[0].chunks[0].digest, "xor-delta"
+        )
+
+
+@pytest.mark.parametrize(
+    "section",
+    [{"max_depth": -1}, {"max_depth": "8"}, {"depth": 3}, {"min_saving": 1.5}, {"cache_bytes": -1}, []],
+)
+def test_bad_delta_settings_in_the_store_config_are_refused(tmp_path: Path, section: Any) -> None:
+    with pytest.raises(cas.FormatError):
+        cas.open(tmp_path / "s", config=StoreConfig(extra={"delta": section}))
+    assert not (tmp_path / "s" / "config").exists()
+
+
+@pytest.mark.s3
+def test_an_s3_archive_stores_deltas_and_keeps_reused_bases(s3_url: str) -> None:
+    extra = {"delta": {"max_depth": 4}}
+    repo = cas.open(s3_url, config=StoreConfig(chunk_size=CHUNK, inline_max=256, codec="auto", extra=extra))
+    states = training_states(2)
+    repo.save(states[0], "runs/a")
+    repo.save(states[1], "runs/a")
+    repo.save(states[1], "gates/best")  # dedup hits on delta chunks, learnt from S3 headers
+    assert any(t.base_digests() for t in repo.manifest("gates/best").tensors)
+    repo.rm("runs/a")
+    simulate_gc(repo)
+    assert_bit_exact(repo.load("gates/best"), states[1])
