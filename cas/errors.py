@@ -31,6 +31,10 @@ class LeaseExpired(CASError):
     """A writer's lease ran out before its commit; the commit was aborted."""
 
 
+class LockHeld(CASError):
+    """Another maintenance run (``cas forget``, ``cas gc``) holds the store's lock; nothing changed."""
+
+
 class FormatError(CASError):
     """A store, object, manifest or file is malformed or of an unknown version."""
 

@@ -1,0 +1,231 @@
+"""Garbage collection and space commands: gc, du, stats, leases, unlock."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+import click
+
+from cas.cli.app import Context, cli, emit_json, human_bytes
+
+pass_ctx = click.make_pass_decorator(Context)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+def duration_param(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """Click callback: a duration option (``36h``, ``7d``) in seconds."""
+    from cas.units import parse_duration
+
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+def size_param(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """Click callback: a size option (``150G``) in bytes."""
+    from cas.units import parse_size
+
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+@cli.command()
+@click.option("-n", "--dry-run", is_flag=True, help="Print the plan; delete nothing.")
+@click.option(
+    "--grace",
+    callback=duration_param,
+    metavar="DURATION",
+    help="Keep unreachable objects younger than this [store setting, 1h].",
+)
+@click.option(
+    "--reflog-window",
+    callback=duration_param,
+    metavar="DURATION",
+    help="Ref history younger than this keeps its checkpoints [store setting, 1h].",
+)
+@click.option("--list", "list_keys", is_flag=True, help="With --json: include every key to delete.")
+@json_option
+@pass_ctx
+def gc(
+    obj: Context,
+    dry_run: bool,
+    grace: float | None,
+    reflog_window: float | None,
+    list_keys: bool,
+    as_json: bool,
+) -> None:
+    """Delete chunks and manifests no ref reaches, once older than the grace period.
+
+    Safe while training writes: writers hold leases and refresh what they reuse. GC deletes
+    nothing if any ref or manifest cannot be read.
+    """
+    repo = obj.open(create=False)
+    doc = run_gc(repo, grace, reflog_window, dry_run, list_keys, as_json)
+    if as_json:
+        emit_json(doc)
+
+
+def run_gc(
+    repo: Any,
+    grace: float | None,
+    window: float | None,
+    dry_run: bool,
+    list_keys: bool,
+    as_json: bool,
+) -> dict[str, Any]:
+    """Plan GC (store settings, overridden by ``grace``/``window``), print it, execute it unless
+    ``dry_run``; return the JSON document."""
+    from dataclasses import replace
+
+    from cas.gc import GCSettings, plan_gc
+
+    settings = GCSettings.from_config(repo.config.extra)
+    settings = replace(
+        settings,
+        grace=settings.grace if grace is None else grace,
+        reflog_window=settings.reflog_window if window is None else window,
+    )
+    plan = plan_gc(repo, settings)
+    doc: dict[str, Any] = {"dry_run": dry_run, "plan": plan.to_dict(keys=list_keys)}
+    if not as_json:
+        for line in plan.summary():
+            click.echo(line)
+    if not dry_run:
+        result = plan.execute()
+        doc["result"] = {**result.__dict__, "freed_bytes": result.freed_bytes}
+        if not as_json:
+            spared = f", {result.spared} reused meanwhile and kept" if result.spared else ""
+            click.echo(
+                f"deleted {result.deleted_chunks} chunks and {result.deleted_manifests} manifests, "
+                f"freed {human_bytes(result.freed_bytes)} in {result.seconds:.1f}s{spared}"
+            )
+    return doc
+
+
+@cli.command()
+@click.argument("selector", default="")
+@click.option("-r", "--refs", "per_ref", is_flag=True, help="One line per ref as well.")
+@json_option
+@pass_ctx
+def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
+    """Space used by SELECTOR (a ref, prefix or glob; default everything).
+
+    logical: bytes a reader gets back; stored: bytes on storage; exclusive: freed if the
+    selection were removed (then `cas gc`); shared: stored bytes other refs also need.
+    """
+    from cas.space import disk_usage
+
+    repo = obj.open(create=False, readonly=True)
+    report = disk_usage(repo, selector)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    if per_ref:
+        click.echo(f"{'logical':>10} {'stored':>10} {'exclusive':>10}  ref")
+        for row in report.refs:
+            sizes = (row.logical_bytes, row.stored_bytes, row.exclusive_bytes)
+            click.echo(" ".join(f"{human_bytes(n):>10}" for n in sizes) + f"  {row.ref}")
+    click.echo(
+        f"{selector or '(all refs)'}: {len(report.refs)} refs, logical {human_bytes(report.logical_bytes)}, "
+        f"stored {human_bytes(report.stored_bytes)}, exclusive {human_bytes(report.exclusive_bytes)}, "
+        f"shared {human_bytes(report.shared_bytes)}"
+    )
+    if report.missing_objects:
+        click.echo(
+            f"WARNING: {report.missing_objects} objects are missing; run `cas verify`", err=True
+        )
+
+
+@cli.command()
+@json_option
+@pass_ctx
+def stats(obj: Context, as_json: bool) -> None:
+    """Chunk, manifest and ref counts, and how much dedup and compression save."""
+    from cas.space import store_stats
+
+    repo = obj.open(create=False, readonly=True)
+    s = store_stats(repo)
+    if as_json:
+        emit_json(s.to_dict())
+        return
+    click.echo(f"refs           {s.refs}")
+    click.echo(f"manifests      {s.manifests} ({human_bytes(s.manifest_bytes)})")
+    click.echo(
+        f"chunks         {s.chunks} ({human_bytes(s.chunk_bytes)}), {s.reachable_chunks} reachable"
+    )
+    click.echo(f"logical        {human_bytes(s.logical_bytes)} (every ref as a full copy)")
+    click.echo(f"unique         {human_bytes(s.unique_bytes)} -> dedup ratio {s.dedup_ratio:.2f}x")
+    click.echo(
+        f"stored         {human_bytes(s.reachable_stored_bytes)} -> compression ratio {s.compression_ratio:.2f}x"
+    )
+    click.echo(
+        f"unreachable    {human_bytes(s.unreachable_bytes)} (freed by `cas gc` after the grace period)"
+    )
+
+
+@cli.command()
+@json_option
+@pass_ctx
+def leases(obj: Context, as_json: bool) -> None:
+    """Writer leases (saves in flight) and the maintenance lock."""
+    import time
+
+    from cas.errors import NotFound
+    from cas.leases import MAINTENANCE_LOCK_KEY, describe_lock, read_leases
+
+    repo = obj.open(create=False, readonly=True)
+    now = time.time()
+    rows = [
+        {
+            "writer": r.writer,
+            "host": r.host,
+            "pid": r.pid,
+            "purpose": r.purpose,
+            "started": r.started,
+            "expires": r.expires,
+            "live": r.live(now, repo.leases.settings.margin),
+        }
+        for r in read_leases(repo.blobs, repo.leases.settings.duration)
+    ]
+    lock: tuple[str, float] | None = None
+    with contextlib.suppress(NotFound):
+        lock = describe_lock(repo.blobs.get(MAINTENANCE_LOCK_KEY))
+    if as_json:
+        emit_json(
+            {
+                "leases": rows,
+                "maintenance_lock": {"holder": lock[0], "expires": lock[1]} if lock else None,
+            }
+        )
+        return
+    for record in read_leases(repo.blobs, repo.leases.settings.duration):
+        state = "live" if record.live(now, repo.leases.settings.margin) else "expired"
+        left = record.expires - now
+        click.echo(f"{state:<8} {record.writer}  {record.purpose}  expires in {left:.0f}s")
+    click.echo(
+        f"maintenance lock: {lock[0]}, expires in {lock[1] - now:.0f}s"
+        if lock
+        else "maintenance lock: free"
+    )
+
+
+@cli.command()
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@pass_ctx
+def unlock(obj: Context, yes: bool) -> None:
+    """Break the maintenance lock of a `cas forget`/`cas gc` that died."""
+    from cas.leases import break_lock
+
+    if not yes and sys.stdin.isatty():
+        click.confirm("Break the maintenance lock (only if no forget/gc is running)?", abort=True)
+    repo = obj.open(create=False)
+    click.echo("lock removed" if break_lock(repo.blobs) else "there was no lock")

@@ -1,0 +1,439 @@
+"""Writer leases and the maintenance lock: how writers and GC/forget agree on what is in flight.
+
+A writer (``Repository.save``, ``put_path``, ``commit``...) holds a *lease* for the length of the
+write: a small JSON blob ``leases/<writer-id>`` saying who holds it (host, pid), when it started
+and when it expires. The writer refreshes it while it makes progress, checks it right before the
+ref compare-and-swap (``LeaseExpired`` aborts the commit) and deletes it afterwards.
+
+GC reads the leases before it lists anything. A live lease protects every object modified after
+``lease.started - margin``: everything the writer wrote or reused (``put_chunk`` of an existing
+chunk refreshes its mtime) has an mtime at or after ``started``. A writer whose lease GC saw as
+expired can no longer commit, because the writer stops committing ``margin`` seconds *before*
+expiry and GC treats a lease as live until ``margin`` seconds *after* it; ``margin`` therefore
+covers the clock skew between hosts (and the server's clock for S3 mtimes) plus the time of one
+ref compare-and-swap. See docs/retention.md for the whole protocol.
+
+The maintenance lock (``locks/maintenance``) is the same idea for ``cas forget`` / ``cas gc``:
+a create-only blob with an expiry, so two maintenance runs never interleave and a crashed one
+stops blocking once its lock expires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+
+from cas.blobstore.base import BlobStore, Version
+from cas.errors import CASError, FormatError, LeaseExpired, LockHeld, NotFound, PreconditionFailed
+
+LEASES_PREFIX = "leases/"
+MAINTENANCE_LOCK_KEY = "locks/maintenance"
+LEASE_FORMAT = "cas-lease"
+LOCK_FORMAT = "cas-lock"
+LEASE_SECTION = "leases"
+"""The ``StoreConfig.extra`` section holding ``LeaseSettings``."""
+MAX_LEASE_BLOB = 64 << 10
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """How long a writer lease lasts and how much clock slack both sides allow.
+
+    ``duration``: a lease not refreshed for this long expires (writers refresh every quarter of
+    it while they make progress). ``margin``: writers stop committing this long before expiry and
+    GC keeps honouring a lease this long after it, so it must exceed the clock skew between any
+    writer, the GC host and the storage server, plus one ref update.
+    """
+
+    duration: float = 1800.0
+    margin: float = 120.0
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.duration <= 0 or self.margin < 0 or 2 * self.margin >= self.duration:
+            raise ValueError(
+                f"lease duration {self.duration}s must be positive and more than twice the "
+                f"margin {self.margin}s, or no writer could ever commit"
+            )
+
+    @classmethod
+    def from_config(cls, extra: dict[str, Any]) -> LeaseSettings:
+        """Settings from ``StoreConfig.extra["leases"]`` (defaults for what is missing)."""
+        section = extra.get(LEASE_SECTION) or {}
+        if not isinstance(section, dict):
+            raise FormatError("store config: 'leases' must be a map")
+        known = {k: section[k] for k in ("duration", "margin", "enabled") if k in section}
+        try:
+            return cls(**known)
+        except (TypeError, ValueError) as e:
+            raise FormatError(f"store config: bad 'leases' section: {e}") from e
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """A lease as GC reads it from the store."""
+
+    key: str
+    writer: str
+    host: str
+    pid: int
+    started: float
+    expires: float
+    purpose: str
+    version: Version | None
+    readable: bool = True
+    """False when the blob could not be parsed; GC then treats it conservatively."""
+
+    def live(self, now: float, margin: float) -> bool:
+        """Whether GC must still honour it at ``now`` (until ``margin`` after its expiry)."""
+        return now < self.expires + margin
+
+
+def _writer_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+class WriterLease:
+    """One writer's lease: acquire, refresh while writing, check before committing, release."""
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        clock: Callable[[], float],
+        settings: LeaseSettings,
+        purpose: str = "write",
+    ) -> None:
+        self.blobs = blobs
+        self.clock = clock
+        self.settings = settings
+        self.purpose = purpose
+        self.writer_id = _writer_id()
+        self.key = LEASES_PREFIX + self.writer_id
+        self.started = 0.0
+        self.expires = 0.0
+        self._refreshed = 0.0
+        self._lost = ""
+        self._lock = threading.Lock()
+
+    def _document(self, now: float) -> bytes:
+        return _encode(
+            {
+                "format": LEASE_FORMAT,
+                "version": 1,
+                "writer": self.writer_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": self.started,
+                "refreshed": now,
+                "expires": now + self.settings.duration,
+                "purpose": self.purpose[:200],
+            }
+        )
+
+    # Plain puts, not compare-and-swap: the key is unique to this writer, and a local store keeps
+    # one lock file per conditionally written key forever (one per save would pile up).
+
+    def acquire(self) -> WriterLease:
+        """Write the lease blob; from now on GC spares what this writer touches."""
+        now = self.clock()
+        self.started = now
+        self.blobs.put(self.key, self._document(now))
+        self._refreshed = now
+        self.expires = now + self.settings.duration
+        return self
+
+    def refresh(self) -> None:
+        """Extend the lease by ``duration``; LeaseExpired if it already ran out or GC reaped it."""
+        with self._lock:
+            now = self.clock()
+            self._raise_if_expired(now)
+            if not self.blobs.has(self.key):
+                self._lost = "its lease blob is gone (reaped by GC as expired)"
+                raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}")
+            self.blobs.put(self.key, self._document(now))
+            self._refreshed = now
+            self.expires = now + self.settings.duration
+
+    def maybe_refresh(self) -> None:
+        """Refresh when a quarter of the duration passed since the last refresh."""
+        if self.clock() - self._refreshed >= self.settings.duration / 4:
+            self.refresh()
+
+    def check(self) -> None:
+        """Raise LeaseExpired unless the lease is safely live (``margin`` before its expiry)."""
+        with self._lock:
+            self._raise_if_expired(self.clock())
+
+    def _raise_if_expired(self, now: float) -> None:
+        if self._lost:
+            raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
+        if now >= self.expires - self.settings.margin:
+            self._lost = (
+                f"expired at {self.expires:.3f} (now {now:.3f}, margin {self.settings.margin:g}s);"
+                " GC may already have collected what this writer stored"
+            )
+            raise LeaseExpired(f"writer lease {self.writer_id} {self._lost}; commit aborted")
+
+    def release(self) -> None:
+        """Delete the lease blob; a failure here only leaves a lease that will expire."""
+        # An unreleased lease expires by itself; a failure here must not mask the write's result.
+        with contextlib.suppress(CASError):
+            self.blobs.delete(self.key)
+
+
+class LeaseManager:
+    """Per-thread, re-entrant writer leases for one Repository (``save`` calls ``commit``)."""
+
+    def __init__(
+        self, blobs: BlobStore, clock: Callable[[], float], settings: LeaseSettings
+    ) -> None:
+        self.blobs = blobs
+        self.clock = clock
+        self.settings = settings
+        self._local = threading.local()
+
+    def current(self) -> WriterLease | None:
+        """The lease this thread holds, if any."""
+        lease: WriterLease | None = getattr(self._local, "lease", None)
+        return lease
+
+    @contextmanager
+    def hold(self, purpose: str = "write") -> Iterator[WriterLease | None]:
+        """Hold a lease for the block (re-entrant: an inner ``hold`` reuses the outer lease).
+
+        Wrap a ``write_tensors`` ... ``commit`` sequence in one ``hold`` so the chunks written
+        first stay protected until the commit.
+        """
+        existing = self.current()
+        if existing is not None or not self.settings.enabled:
+            yield existing
+            return
+        lease = WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        self._local.lease = lease
+        try:
+            yield lease
+        finally:
+            self._local.lease = None
+            lease.release()
+
+    def check(self) -> None:
+        """LeaseExpired if this thread's lease is no longer safely live (no-op without one)."""
+        lease = self.current()
+        if lease is not None:
+            lease.check()
+
+    def beat(self, progress: Progress | None) -> Progress | None:
+        """Wrap a progress callback so each unit of progress refreshes this thread's lease.
+
+        The wrapper runs on I/O worker threads, so it captures the lease now.
+        """
+        lease = self.current()
+        if lease is None:
+            return progress
+
+        def beat_and_report(n: int) -> None:
+            lease.maybe_refresh()
+            if progress is not None:
+                progress(n)
+
+        return beat_and_report
+
+
+class _HasLeases(Protocol):
+    leases: LeaseManager
+
+
+S = TypeVar("S", bound=_HasLeases)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def leased(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
+    """Decorate a Repository write method so it runs holding a writer lease."""
+
+    def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.leases.hold(method.__name__):
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, method)
+    return wrapper
+
+
+def read_leases(
+    blobs: BlobStore, default_duration: float = LeaseSettings.duration
+) -> list[LeaseRecord]:
+    """Every lease in the store. An unreadable one counts as started at its mtime, to be safe."""
+    records = []
+    for info in blobs.list_info(LEASES_PREFIX):
+        try:
+            data, version = blobs.get_versioned(info.key)
+        except NotFound:
+            continue  # released between list and get
+        records.append(_parse_lease(info.key, data, version, info.mtime, default_duration))
+    return records
+
+
+def _parse_lease(
+    key: str, data: bytes, version: Version, mtime: float, default_duration: float
+) -> LeaseRecord:
+    try:
+        if len(data) > MAX_LEASE_BLOB:
+            raise ValueError("too large")
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT:
+            raise ValueError("not a lease")
+        return LeaseRecord(
+            key,
+            str(doc["writer"]),
+            str(doc.get("host", "")),
+            int(doc.get("pid", 0)),
+            float(doc["started"]),
+            float(doc["expires"]),
+            str(doc.get("purpose", "")),
+            version,
+        )
+    except (ValueError, KeyError, TypeError):
+        return LeaseRecord(
+            key,
+            key[len(LEASES_PREFIX) :],
+            "",
+            0,
+            mtime,
+            mtime + default_duration,
+            "?",
+            version,
+            readable=False,
+        )
+
+
+class MaintenanceLock:
+    """The store-wide lock of ``cas forget`` and ``cas gc``: a create-only blob with an expiry.
+
+    A lock whose holder died is taken over once it expired (by compare-and-swap, so two
+    contenders never both win). Long runs call ``refresh`` between phases.
+    """
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        clock: Callable[[], float] = time.time,
+        *,
+        operation: str = "maintenance",
+        duration: float = 3600.0,
+    ) -> None:
+        self.blobs = blobs
+        self.clock = clock
+        self.operation = operation
+        self.duration = duration
+        self.holder = _writer_id()
+        self._version: Version | None = None
+
+    def _document(self) -> bytes:
+        now = self.clock()
+        return _encode(
+            {
+                "format": LOCK_FORMAT,
+                "version": 1,
+                "holder": self.holder,
+                "operation": self.operation,
+                "acquired": now,
+                "expires": now + self.duration,
+            }
+        )
+
+    def acquire(self) -> MaintenanceLock:
+        """Take the lock or raise LockHeld naming who holds it and until when."""
+        try:
+            self._version = self.blobs.put_conditional(MAINTENANCE_LOCK_KEY, self._document(), None)
+            return self
+        except PreconditionFailed:
+            pass
+        try:
+            data, version = self.blobs.get_versioned(MAINTENANCE_LOCK_KEY)
+        except NotFound:
+            data, version = b"", None
+        holder = describe_lock(data)
+        if version is not None and holder is not None and self.clock() < holder[1]:
+            raise LockHeld(
+                f"{holder[0]} holds the store's maintenance lock until "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(holder[1]))} UTC; "
+                "try again later (or `cas unlock` if that process is gone)"
+            )
+        try:
+            self._version = self.blobs.put_conditional(
+                MAINTENANCE_LOCK_KEY, self._document(), version
+            )
+        except PreconditionFailed as e:
+            raise LockHeld("another maintenance run took the store's lock just now") from e
+        return self
+
+    def refresh(self) -> None:
+        """Extend the lock; LockHeld if someone took it over (it had expired)."""
+        try:
+            self._version = self.blobs.put_conditional(
+                MAINTENANCE_LOCK_KEY, self._document(), self._version
+            )
+        except (PreconditionFailed, NotFound) as e:
+            raise LockHeld("the maintenance lock expired and was taken over; stopping") from e
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours."""
+        if self._version is None:
+            return
+        # If it was taken over after expiring, it is someone else's now: leave it.
+        with contextlib.suppress(PreconditionFailed, NotFound):
+            self.blobs.delete_conditional(MAINTENANCE_LOCK_KEY, self._version)
+        self._version = None
+
+    def __enter__(self) -> MaintenanceLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def describe_lock(data: bytes) -> tuple[str, float] | None:
+    """``(description, expires)`` of a lock blob, or None when it is unreadable."""
+    try:
+        doc = json.loads(data)
+        who = f"{doc.get('operation', '?')} by {doc['holder']}"
+        return who, float(doc["expires"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def break_lock(blobs: BlobStore) -> bool:
+    """Remove the maintenance lock whoever holds it; True if there was one."""
+    existed = blobs.has(MAINTENANCE_LOCK_KEY)
+    blobs.delete(MAINTENANCE_LOCK_KEY)
+    return existed
+
+
+@contextmanager
+def maintenance(
+    blobs: BlobStore, clock: Callable[[], float], operation: str, enabled: bool = True
+) -> Iterator[MaintenanceLock | None]:
+    """Hold the maintenance lock for the block (``enabled=False``: the caller already holds it)."""
+    if not enabled:
+        yield None
+        return
+    with MaintenanceLock(blobs, clock, operation=operation) as held:
+        yield held

@@ -1,0 +1,61 @@
+"""Writers for the GC concurrency tests: save in a loop, keep the last two, check before removing."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import cas
+from cas.verify import verify
+from tests.retention_helpers import tensor
+
+CHUNK = 4096
+SHARED = 12
+"""Tensors every writer draws from: they keep going unreachable and being reused."""
+
+
+def state(*seeds: int) -> dict[str, Any]:
+    """One 2-chunk tensor per seed."""
+    return {f"t{i}": tensor(s, 2 * CHUNK) for i, s in enumerate(seeds)}
+
+
+def writer_loop(store: str, writer: int, seconds: float) -> dict[str, Any]:
+    """Save ``w<writer>/ckpt_N`` until time is up, removing all but the newest two.
+
+    Before removing a checkpoint it re-reads it: a checkpoint whose save reported success must
+    have every chunk for as long as its ref exists. Returns the saves and any problem found.
+    """
+    repo = cas.open(store, create=False, fsync=False)
+    rng = random.Random(writer)
+    saved: list[tuple[str, list[int]]] = []
+    problems: list[str] = []
+    deadline = time.monotonic() + seconds
+    index = 0
+    while time.monotonic() < deadline:
+        seeds = [*rng.sample(range(SHARED), 2), 1_000_000 * (writer + 1) + index]
+        ref = f"w{writer}/ckpt_{index:05d}"
+        repo.save(state(*seeds), ref)
+        saved.append((ref, seeds))
+        if len(saved) > 2:
+            old, _ = saved[-3]
+            report = verify(repo, [old], level="full")
+            if not report.ok:
+                problems.extend(str(p) for p in report.problems)
+            repo.rm(old)
+        index += 1
+    repo.close()
+    return {"saved": saved, "problems": problems}
+
+
+if __name__ == "__main__":
+    store_arg, writer_arg, seconds_arg, out_arg = sys.argv[1:5]
+    try:
+        result = writer_loop(store_arg, int(writer_arg), float(seconds_arg))
+    except Exception:
+        result = {"saved": [], "problems": [traceback.format_exc()]}
+    Path(out_arg).write_text(json.dumps(result))

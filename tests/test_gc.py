@@ -1,0 +1,441 @@
+"""GC: mark from refs and recent history, sweep old unreachable objects, refuse on unreadable ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cas.cli import cli
+from cas.codecs import codec_by_name
+from cas.config import StoreConfig
+from cas.digest import digest_of
+from cas.errors import FormatError, IntegrityError, LeaseExpired, NotFound, RefConflict
+from cas.gc import GCSettings, plan_gc
+from cas.manifest import ChunkRef, Manifest, TensorEntry
+from cas.objects import chunk_key, manifest_key
+from cas.retention import RetentionPolicy, Rule
+from cas.state import encode_state
+from cas.sweep import TRASH_DIR
+from cas.verify import verify
+from tests.helpers import assert_bit_exact
+from tests.retention_helpers import (
+    FakeClock,
+    chunk_digests,
+    local_repo,
+    memory_repo,
+    reachable_chunks,
+    tensor,
+)
+
+CHUNK = 4096
+
+
+def state(*seeds: int) -> dict[str, Any]:
+    """One 2-chunk tensor per seed."""
+    return {f"t{s}": tensor(s, 2 * CHUNK) for s in seeds}
+
+
+def chunks_of(*seeds: int) -> set[str]:
+    """The chunk digests ``state(*seeds)`` is stored as, computed independently of cas."""
+    out = set()
+    for s in seeds:
+        data = tensor(s, 2 * CHUNK).numpy().tobytes()
+        out |= {digest_of(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)}
+    return out
+
+
+def age_files(root: Path, seconds: float) -> None:
+    """Make every object of a local store look ``seconds`` old."""
+    past = time.time() - seconds
+    for sub in ("chunks", "manifests"):
+        for path in (root / sub).rglob("*"):
+            if path.is_file():
+                os.utime(path, (past, past))
+
+
+def test_gc_frees_unreachable_chunks_only_after_the_grace_period() -> None:
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock)
+    repo.save(state(1, 2), "runs/r1/a")
+    repo.save(state(2, 3), "runs/r1/b")
+    repo.rm("runs/r1/a")
+    settings_ = GCSettings(grace=3600, reflog_window=0)
+    clock.advance(1800)
+    young = plan_gc(repo, settings_)
+    assert young.chunks == () and young.young_manifests == 1
+    clock.advance(1801)
+    plan = plan_gc(repo, settings_)
+    assert set(plan.chunks) == chunks_of(1) and len(plan.manifests) == 1
+    result = plan.execute()
+    assert result.deleted_chunks == 2 and result.deleted_manifests == 1
+    assert chunk_digests(repo) == chunks_of(2, 3)
+    assert_bit_exact(repo.load("runs/r1/b"), state(2, 3))
+
+
+def test_ref_history_keeps_overwritten_checkpoints_for_the_reflog_window() -> None:
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock)
+    repo.save(state(1), "runs/r1/latest")
+    clock.advance(600)
+    repo.save(state(2), "runs/r1/latest")
+    clock.advance(7200)
+    kept = plan_gc(repo, GCSettings(grace=0, reflog_window=3 * 3600))
+    assert kept.history_manifests == 1 and kept.chunks == ()
+    assert_bit_exact(repo.load("runs/r1/latest~1"), state(1))
+    plan = plan_gc(repo, GCSettings(grace=0, reflog_window=3600))
+    assert set(plan.chunks) == chunks_of(1)
+    plan.execute()
+    with pytest.raises(NotFound):
+        repo.load("runs/r1/latest~1")
+
+
+def test_gc_refuses_and_deletes_nothing_when_a_ref_or_manifest_cannot_be_read(
+    tmp_path: Path,
+) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(state(1), "good")
+    digest = repo.save(state(2), "bad")
+    repo.save(state(3), "garbage")
+    repo.rm("garbage")
+    before = chunk_digests(repo)
+    settings_ = GCSettings(grace=0, reflog_window=0)
+    path = repo.blobs.path_of(manifest_key(digest))
+    original = path.read_bytes()
+    path.write_bytes(original[:-3] + b"xyz")
+    with pytest.raises(IntegrityError, match=r"gc refused, nothing deleted: ref 'bad'"):
+        plan_gc(repo, settings_)
+    path.unlink()
+    with pytest.raises(NotFound, match="names a missing manifest"):
+        plan_gc(repo, settings_)
+    path.write_bytes(original)
+    ref_path = tmp_path / "refs" / "good"
+    ref_path.write_bytes(b"not msgpack \xff")
+    with pytest.raises(FormatError, match="ref blob 'refs/good' cannot be read"):
+        plan_gc(repo, settings_)
+    assert chunk_digests(repo) == before
+    ref_path.unlink()
+    repo.save(state(1), "good")
+    plan_gc(repo, settings_).execute()
+    assert chunk_digests(repo) == chunks_of(1, 2)
+
+
+def test_delta_bases_named_in_the_manifest_stay_alive() -> None:
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock)
+    raw = codec_by_name("raw")
+    base, delta = tensor(1, CHUNK).numpy().tobytes(), tensor(2, CHUNK).numpy().tobytes()
+    base_digest = repo.objects.put_chunk(base, raw).digest
+    delta_digest = repo.objects.put_chunk(delta, raw).digest
+    entry = TensorEntry(
+        "torch",
+        "float32",
+        (CHUNK // 4,),
+        CHUNK,
+        (ChunkRef(delta_digest, CHUNK),),
+        None,
+        {"base": [base_digest]},
+    )
+    tree = {"~": "dict", "items": [["w", {"~": "tensor", "i": 0}]]}
+    repo.commit(Manifest("state", (entry,), tree, created_at=clock()), "ft/step1")
+    clock.advance(10_000)
+    assert plan_gc(repo, GCSettings(grace=0, reflog_window=0)).chunks == ()
+    repo.rm("ft/step1")
+    plan = plan_gc(repo, GCSettings(grace=0, reflog_window=0))
+    assert set(plan.chunks) == {base_digest, delta_digest}
+
+
+def test_a_manifest_that_lost_its_ref_race_keeps_its_chunks_through_grace() -> None:
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock)
+    repo.save(state(1), "gates/bc_best", expected=None)
+    with pytest.raises(RefConflict, match="is stored, retry or point a ref at it"):
+        repo.save(state(2), "gates/bc_best", expected=None)
+    clock.advance(60)
+    plan = plan_gc(repo, GCSettings(grace=600, reflog_window=0))
+    assert plan.young_manifests == 1 and plan.chunks == () and plan.manifests == ()
+    clock.advance(600)
+    plan = plan_gc(repo, GCSettings(grace=600, reflog_window=0))
+    assert set(plan.chunks) == chunks_of(2) and len(plan.manifests) == 1
+
+
+def test_chunk_reused_after_planning_is_put_back(tmp_path: Path) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(state(1, 2), "runs/r1/a")
+    repo.rm("runs/r1/a")
+    age_files(tmp_path, 7200)
+    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=0))
+    assert set(plan.chunks) == chunks_of(1, 2)
+    repo.save(state(2, 3), "runs/r1/b")  # reuses (touches) the chunks of tensor 2 meanwhile
+    result = plan.execute()
+    assert result.deleted_chunks == 2 and result.spared == 2
+    assert verify(repo, level="full").ok
+    assert_bit_exact(repo.load("runs/r1/b"), state(2, 3))
+    assert not any((tmp_path / TRASH_DIR).iterdir())
+
+
+def test_objects_left_in_the_trash_by_a_killed_gc_are_put_back(tmp_path: Path) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(state(1), "keep")
+    victim = sorted(chunks_of(1))[0]
+    (tmp_path / TRASH_DIR).mkdir(parents=True, exist_ok=True)
+    os.rename(
+        repo.blobs.path_of(chunk_key(victim)),
+        tmp_path / TRASH_DIR / chunk_key(victim).replace("/", "+"),
+    )
+    assert not verify(repo).ok
+    plan_gc(repo, GCSettings(grace=0, reflog_window=0))
+    assert verify(repo, level="full").ok
+
+
+def test_stale_temp_files_go_after_the_grace_period_and_locks_stay(tmp_path: Path) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(state(1), "keep")
+    tmp = tmp_path / "tmp"
+    old, new = tmp / ("a" * 32 + ".tmp"), tmp / ("b" * 32 + ".tmp")
+    old.write_bytes(b"x" * 100)
+    new.write_bytes(b"y" * 100)
+    past = time.time() - 7200
+    os.utime(old, (past, past))
+    locks = set((tmp / "locks").iterdir())
+    assert locks
+    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=0))
+    assert plan.tmp_files == (old.name,)
+    assert plan.execute().deleted_tmp_files == 1
+    assert not old.exists() and new.exists() and locks <= set((tmp / "locks").iterdir())
+
+
+def _write_under_lease(repo: Any, seeds: tuple[int, ...]) -> tuple[Any, Any, Any]:
+    hold = repo.leases.hold("test writer")
+    lease = hold.__enter__()
+    tree, sources = encode_state(state(*seeds))
+    entries, _ = repo.write_tensors(sources)
+    return hold, lease, Manifest("state", tuple(entries), tree, created_at=repo.clock())
+
+
+def test_live_writer_lease_protects_what_it_wrote_and_an_expired_one_cannot_commit() -> None:
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock, leases={"duration": 1800, "margin": 60})
+    settings_ = GCSettings(grace=600, reflog_window=0)
+    hold, lease, manifest = _write_under_lease(repo, (1,))
+    clock.advance(1000)  # older than the grace period, but the lease is live
+    plan = plan_gc(repo, settings_)
+    assert plan.chunks == () and plan.spared_chunks == 2
+    assert [live.writer for live in plan.live_leases] == [lease.writer_id]
+    assert "live writer lease" in "\n".join(plan.summary())
+    repo.commit(manifest, "runs/r1/slow")
+    hold.__exit__(None, None, None)
+    assert not list(repo.blobs.list("leases/"))
+    assert_bit_exact(repo.load("runs/r1/slow"), state(1))
+
+    hold, _, manifest = _write_under_lease(repo, (2,))
+    clock.advance(1800 + 61)  # paused past its lease: GC no longer honours it
+    plan = plan_gc(repo, settings_)
+    assert set(plan.chunks) == chunks_of(2) and len(plan.expired_leases) == 1
+    assert plan.execute().reaped_leases == 1
+    with pytest.raises(LeaseExpired, match="commit aborted"):
+        repo.commit(manifest, "runs/r1/late")
+    hold.__exit__(None, None, None)
+    assert repo.refs_store.try_get("runs/r1/late") is None
+    assert verify(repo).ok
+
+
+def test_du_and_stats_report_dedup_and_exclusive_bytes(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    repo = local_repo(store)
+    repo.save(state(1, 2), "runs/r1/ckpt_1")
+    repo.save(state(2, 3), "runs/r1/ckpt_2")
+    repo.cp("runs/r1/ckpt_2", "gates/best")
+    runner = CliRunner()
+    du = json.loads(runner.invoke(cli, ["--store", str(store), "du", "runs/r1", "--json"]).output)
+    assert du["logical_bytes"] == 4 * 2 * CHUNK
+    assert du["stored_bytes"] > 3 * 2 * CHUNK
+    rows = {r["ref"]: r for r in du["refs"]}
+    # ckpt_1 alone holds tensor 1; ckpt_2 shares everything with ckpt_1 or the gate.
+    assert rows["runs/r1/ckpt_1"]["exclusive_bytes"] > 2 * CHUNK
+    assert rows["runs/r1/ckpt_2"]["exclusive_bytes"] == 0
+    assert du["shared_bytes"] > 2 * 2 * CHUNK  # tensors 2 and 3 are also the gate's
+    stats = json.loads(runner.invoke(cli, ["--store", str(store), "stats", "--json"]).output)
+    assert stats["chunks"] == 6 and stats["refs"] == 3 and stats["manifests"] == 2
+    assert stats["dedup_ratio"] == pytest.approx(6 / 3)
+    assert stats["compression_ratio"] < 1.0  # raw codec: headers only
+    text = runner.invoke(cli, ["--store", str(store), "du", "-r"]).output
+    assert "gates/best" in text and "exclusive" in text
+
+
+def test_gc_dry_run_prints_the_plan_and_deletes_nothing(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    repo = local_repo(store)
+    repo.save(state(1), "a")
+    repo.save(state(2), "b")
+    repo.rm("a")
+    before = chunk_digests(repo)
+    runner = CliRunner()
+    out = runner.invoke(
+        cli, ["--store", str(store), "gc", "--dry-run", "--grace", "0s", "--json", "--list"]
+    )
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["plan"]["delete_chunks"] == 2 and set(doc["plan"]["chunks"]) == chunks_of(1)
+    assert "result" not in doc and chunk_digests(repo) == before
+    out = runner.invoke(
+        cli, ["--store", str(store), "gc", "--grace", "0s", "--reflog-window", "0s"]
+    )
+    assert "deleted 2 chunks and 1 manifests" in out.output
+    assert chunk_digests(repo) == reachable_chunks(repo) == chunks_of(2)
+    bad = runner.invoke(cli, ["--store", str(store), "gc", "--grace", "soon"])
+    assert bad.exit_code == 2 and "bad duration" in bad.output
+
+
+GRACE, WINDOW, LEASE, MARGIN = 100.0, 50.0, 400.0, 10.0
+SEEDS = st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True)
+NAMES = st.sampled_from(["runs/a/x", "runs/a/y", "runs/b/x", "gates/g"])
+
+
+class GCModel(RuleBasedStateMachine):
+    """A store driven by saves, copies, removals, slow writers, forget and GC, against a model.
+
+    The model tracks when each chunk and manifest was last written or reused, every ref's target
+    and history, and the in-flight writer's lease. After each GC the stored chunks must be
+    exactly: chunks of root manifests (current targets, history inside the window, manifests
+    newer than the cutoff), plus chunks newer than the cutoff; the cutoff is ``now - grace``,
+    lowered to ``lease start - margin`` while a lease is live.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock(1_000_000.0)
+        self.repo = memory_repo(self.clock, leases={"duration": LEASE, "margin": MARGIN})
+        self.settings = GCSettings(grace=GRACE, reflog_window=WINDOW)
+        self.chunk_time: dict[str, float] = {}
+        self.manifests: dict[str, tuple[set[str], float]] = {}
+        self.refs: dict[str, tuple[str, list[tuple[str, float]], tuple[int, ...]]] = {}
+        self.writer: tuple[Any, Any, Manifest, tuple[int, ...], float, float] | None = None
+        self.thread = ThreadPoolExecutor(1)
+
+    def _stored(self, digest: str, seeds: tuple[int, ...]) -> None:
+        now = self.clock()
+        for chunk in chunks_of(*seeds):
+            self.chunk_time[chunk] = now
+        self.manifests[digest] = (chunks_of(*seeds), now)
+
+    def _point(self, name: str, digest: str, seeds: tuple[int, ...]) -> None:
+        history = self.refs[name][1] if name in self.refs else []
+        self.refs[name] = (digest, [*history, (digest, self.clock())], seeds)
+
+    @rule(name=NAMES, seeds=SEEDS)
+    def save(self, name: str, seeds: list[int]) -> None:
+        digest = self.repo.save(state(*seeds), name)
+        self._stored(digest, tuple(seeds))
+        self._point(name, digest, tuple(seeds))
+
+    @rule(src=NAMES, dst=NAMES)
+    def cp(self, src: str, dst: str) -> None:
+        if src in self.refs and src != dst:
+            digest = self.repo.cp(src, dst)
+            self._point(dst, digest, self.refs[src][2])
+
+    @rule(name=NAMES)
+    def rm(self, name: str) -> None:
+        if name in self.refs:
+            self.repo.rm(name)
+            del self.refs[name]
+
+    @rule(seconds=st.sampled_from([1.0, 30.0, 60.0, 150.0, 500.0]))
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @precondition(lambda self: self.writer is None)
+    @rule(seeds=SEEDS)
+    def start_slow_write(self, seeds: list[int]) -> None:
+        # Its own thread: leases are per thread, and the other rules are other writers.
+        hold, lease, manifest = self.thread.submit(
+            _write_under_lease, self.repo, tuple(seeds)
+        ).result()
+        now = self.clock()
+        for chunk in chunks_of(*seeds):
+            self.chunk_time[chunk] = now
+        self.writer = (hold, lease, manifest, tuple(seeds), now, now + LEASE)
+
+    @precondition(lambda self: self.writer is not None)
+    @rule(name=NAMES)
+    def finish_slow_write(self, name: str) -> None:
+        assert self.writer is not None
+        hold, _, manifest, seeds, _, expires = self.writer
+        self.writer = None
+        try:
+            if self.clock() >= expires - MARGIN:
+                with pytest.raises(LeaseExpired):
+                    self.thread.submit(self.repo.commit, manifest, name).result()
+                return
+            digest = self.thread.submit(self.repo.commit, manifest, name).result()
+        finally:
+            self.thread.submit(hold.__exit__, None, None, None).result()
+        self.manifests[digest] = (chunks_of(*seeds), self.clock())  # commit writes no chunk
+        self._point(name, digest, seeds)
+
+    @rule()
+    def forget(self) -> None:
+        result = RetentionPolicy(rules=(Rule("runs/**", keep_last=1),)).apply(self.repo)
+        for name in result.removed:
+            del self.refs[name]
+
+    @rule()
+    def gc(self) -> None:
+        now = self.clock()
+        cutoff = now - GRACE
+        if self.writer is not None and now < self.writer[5] + MARGIN:
+            cutoff = min(cutoff, self.writer[4] - MARGIN)
+        roots = {target for target, _, _ in self.refs.values()}
+        roots |= {
+            d for _, history, _ in self.refs.values() for d, when in history if when >= now - WINDOW
+        }
+        roots |= {d for d, (_, when) in self.manifests.items() if when >= cutoff}
+        marked = set().union(*(self.manifests[d][0] for d in roots if d in self.manifests))
+        expected = {c for c, when in self.chunk_time.items() if c in marked or when >= cutoff}
+        plan_gc(self.repo, self.settings).execute()
+        assert chunk_digests(self.repo) == expected
+        assert marked <= expected  # nothing reachable is ever deleted
+        self.chunk_time = {c: w for c, w in self.chunk_time.items() if c in expected}
+        self.manifests = {d: v for d, v in self.manifests.items() if d in roots}
+
+    @invariant()
+    def every_ref_is_loadable(self) -> None:
+        for name, (target, _, _) in self.refs.items():
+            assert self.repo.resolve(name) == target
+            assert verify(self.repo, [name]).ok, name
+
+    def teardown(self) -> None:
+        if self.writer is not None:
+            self.thread.submit(self.writer[0].__exit__, None, None, None).result()
+        self.thread.shutdown()
+        for name, (_, _, seeds) in self.refs.items():
+            assert_bit_exact(self.repo.load(name), state(*seeds))
+
+
+TestGCModel = GCModel.TestCase
+TestGCModel.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_store_config_supplies_gc_defaults(tmp_path: Path) -> None:
+    repo = local_repo(tmp_path, gc={"grace": "2h", "reflog_window": "10m"})
+    assert GCSettings.from_config(repo.config.extra) == GCSettings(grace=7200, reflog_window=600)
+    with pytest.raises(FormatError):
+        GCSettings.from_config({"gc": {"grace": "later"}})
+    assert StoreConfig().extra == {}
+    assert torch.equal(tensor(3, 16), tensor(3, 16))
