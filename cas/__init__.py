@@ -17,6 +17,7 @@ from cas.errors import (
     ReadOnlyError,
     RefConflict,
 )
+from cas.manager import CheckpointManager
 from cas.repo import Repository, default_store_url, open
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "AlreadyExists",
     "BackendError",
     "CASError",
+    "CheckpointManager",
     "FormatError",
     "IntegrityError",
     "InvalidName",

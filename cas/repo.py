@@ -15,14 +15,23 @@ from typing import Any
 import torch
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_blobstore
+from cas.chains import ChunkCache
 from cas.chunking import Cut, fixed_cuts, layout_cuts
 from cas.chunkio import ChunkIO, Progress, WriteStats, wait_all
 from cas.codecs import Codec, EncodeHints, codec_by_name
 from cas.config import StoreConfig, read_config, write_config
 from cas.digest import Digest, digest_of, parse_digest
-from cas.errors import FormatError, InvalidName, NotFound
+from cas.encoding import (
+    DeltaSettings,
+    PendingTensor,
+    TensorTarget,
+    TensorWriter,
+    standalone_codec,
+    tensor_paths,
+)
+from cas.errors import CASError, FormatError, InvalidName, NotFound
+from cas.leases import LeaseManager, LeaseSettings, leased
 from cas.manifest import (
-    ChunkRef,
     FileEntry,
     FileRegion,
     Manifest,
@@ -62,17 +71,51 @@ def open(
     With no URL: ``$CAS_STORE``, else ``~/.local/share/cas/store``. A location that holds a store of
     another format version is a clear ``FormatError``; a missing store with ``create=False`` is
     ``NotFound``.
+
+    Remote stores (S3, fsspec) retry transient failures with backoff. ``cache="/dir"`` fronts a
+    remote with a local cache of chunks and manifests (``cas.cache``). Opening an S3 store for
+    writing probes for conditional writes and refuses a server without them, unless
+    ``single_writer=True`` says no other process writes it.
     """
+    cache = options.pop("cache", None)
+    single_writer = bool(options.pop("single_writer", False))
     blobs = open_blobstore(url if url is not None else default_store_url(), **options)
+    blobs = _guard_remote(blobs, readonly=readonly, single_writer=single_writer)
+    if cache is not None:
+        from cas.cache import CachingBlobStore
+
+        blobs = CachingBlobStore(LocalBlobStore(Path(cache).expanduser()), blobs)
     existing = read_config(blobs)
     if existing is None:
         if readonly or not create:
             raise NotFound(f"no cas store at {blobs.url} (create one with `cas init`)")
         existing = replace(config or StoreConfig(), created_at=clock())
+        DeltaSettings.from_config(existing.extra)  # refuse bad settings before creating a store
         write_config(blobs, existing)
     if readonly:
         blobs = ReadOnlyBlobStore(blobs)
     return Repository(blobs, existing, clock=clock)
+
+
+def _guard_remote(blobs: BlobStore, *, readonly: bool, single_writer: bool) -> BlobStore:
+    """Wrap a remote store in retries; refuse S3 writers when the server cannot compare-and-swap."""
+    from cas.blobstore import MemoryBlobStore
+    from cas.blobstore.retry import RetryingBlobStore
+
+    if isinstance(blobs, (LocalBlobStore, MemoryBlobStore, RetryingBlobStore)):
+        return blobs
+    from cas.blobstore.s3 import S3BlobStore
+
+    writer = not (readonly or single_writer)
+    # The first supports_conditional_writes probes the server (three small requests).
+    if isinstance(blobs, S3BlobStore) and writer and not blobs.supports_conditional_writes:
+        raise CASError(
+            f"S3 endpoint {blobs.endpoint_url} ignores conditional writes (If-None-Match/"
+            f"If-Match), so concurrent writers to {blobs.url} could overwrite each other's "
+            "refs; use a server that enforces them (AWS S3, SeaweedFS, MinIO), or open with "
+            "single_writer=True if only one process ever writes this store"
+        )
+    return RetryingBlobStore(blobs)
 
 
 @dataclass(frozen=True)
@@ -84,6 +127,8 @@ class TensorInfo:
     shape: tuple[int, ...]
     nbytes: int
     chunks: int
+    codec: str = "raw"
+    """The codec the writer chose for the tensor (``TensorEntry.encoding``), ``inline`` if tiny."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +159,9 @@ class Repository:
         self.refs_store = RefStore(blobs, clock)
         self.io = ChunkIO(self.objects, workers)
         self.last_write: WriteStats = WriteStats()
+        self.leases = LeaseManager(blobs, clock, LeaseSettings.from_config(config.extra))
+        self.delta_settings = DeltaSettings.from_config(config.extra)
+        self.chunk_cache = ChunkCache(self.delta_settings.cache_bytes)
 
     @property
     def url(self) -> str:
@@ -132,11 +180,16 @@ class Repository:
         self.close()
 
     def codec(self, name: str | None = None) -> Codec:
-        """The codec to write with: ``name``, else the store's default."""
-        return codec_by_name(name or self.config.codec)
+        """The codec to write with: ``name``, else the store's default.
+
+        ``"auto"`` and the delta codecs choose per tensor in ``save``/``put_path``; writers that
+        write opaque chunks get ``bytegroup-zstd`` for them.
+        """
+        return standalone_codec(name or self.config.codec, 2)
 
     # -- writing -------------------------------------------------------------------------------
 
+    @leased
     def save(
         self,
         state: Any,
@@ -151,20 +204,23 @@ class Repository:
     ) -> Digest:
         """Store a nested training state under ``ref``; return the manifest digest.
 
-        ``parent`` names the previous checkpoint (default: the ref's current target); ``expected``
-        makes the ref update a compare-and-swap against that digest (``None``: must not exist).
+        ``parent`` names the previous checkpoint (default: the ref's current target), which is
+        also the delta base: with codec ``"auto"`` each tensor may be stored as a delta against
+        the parent's tensor at the same path (``cas.encoding``). ``expected`` makes the ref update
+        a compare-and-swap against that digest (``None``: must not exist).
         """
         name = parse_ref_name(ref)
         tree, sources = encode_state(state)
         stats = WriteStats()
-        entries = self._write_tensors(sources, self.codec(codec), stats, progress)
+        parent_digest = self._parent_digest(name, parent)
+        entries = self._write_tensors(sources, codec, stats, progress, parent_digest)
         manifest = Manifest(
             kind="state",
             tensors=tuple(entries),
             tree=tree,
             meta=_clean_meta(metadata),
             created_at=self.clock(),
-            parent=self._parent_digest(name, parent),
+            parent=parent_digest,
             chunk_size=self.config.chunk_size,
         )
         return self.commit(
@@ -177,6 +233,7 @@ class Repository:
         record = self.refs_store.try_get(name)
         return record.target if record else None
 
+    @leased
     def write_tensors(
         self, sources: Sequence[TensorSource], *, codec: str | None = None
     ) -> tuple[list[TensorEntry], WriteStats]:
@@ -186,33 +243,60 @@ class Repository:
         checkpoint commits one manifest for every rank's tensors). Call ``commit`` afterwards.
         """
         stats = WriteStats()
-        return self._write_tensors(sources, self.codec(codec), stats, None), stats
+        return self._write_tensors(sources, codec, stats, None), stats
+
+    def _tensor_writer(
+        self,
+        codec: str | None,
+        stats: WriteStats,
+        progress: Progress | None,
+        parent: Digest | None,
+    ) -> tuple[TensorWriter, dict[str, TensorEntry]]:
+        """A writer for one save, and the parent's tensors by path (the delta bases)."""
+        parent_manifest = None
+        if parent is not None:
+            try:
+                parent_manifest = decode_manifest(self.objects.get_manifest(parent))
+            except CASError:
+                parent_manifest = None  # a damaged parent only costs the deltas, not the save
+        writer = TensorWriter(
+            self.objects,
+            self.io.pool,
+            codec_name=codec or self.config.codec,
+            level=self.config.compression_level,
+            settings=self.delta_settings,
+            cache=self.chunk_cache,
+            stats=stats,
+            progress=self.leases.beat(progress),
+            parent=parent_manifest,
+        )
+        paths = tensor_paths(parent_manifest, iter_tensor_paths) if parent_manifest else {}
+        return writer, paths
 
     def _write_tensors(
         self,
         sources: Sequence[TensorSource],
-        codec: Codec,
+        codec: str | None,
         stats: WriteStats,
         progress: Progress | None,
+        parent: Digest | None = None,
     ) -> list[TensorEntry]:
-        pending: list[tuple[TensorSource, list[Future[ChunkRef]]]] = []
+        writer, parents = self._tensor_writer(codec, stats, progress, parent)
+        pending: list[tuple[TensorSource, PendingTensor | None]] = []
         for source in sources:
             if source.nbytes <= self.config.inline_max:
-                pending.append((source, []))
+                pending.append((source, None))
                 continue
             cuts = fixed_cuts(source.nbytes, self.config.chunk_size)
-            hints = EncodeHints(elem_size=source.elem_size, level=self.config.compression_level)
-            pending.append(
-                (source, self.io.write_cuts(source.data, cuts, codec, hints, stats, progress))
+            target = TensorTarget(
+                source.data, cuts, source.dtype, source.elem_size, parents.get(source.path)
             )
-        wait_all(f for _, futures in pending for f in futures)
+            pending.append((source, writer.submit(target)))
+        wait_all(f for _, written in pending if written for f in written.futures())
         entries = []
-        for source, futures in pending:
-            if futures:
-                chunks = tuple(f.result() for f in futures)
-                entries.append(
-                    TensorEntry(source.kind, source.dtype, source.shape, source.nbytes, chunks)
-                )
+        for source, written in pending:
+            if written is not None:
+                entries.append(writer.entry(source.kind, written, source.shape))
             else:
                 stats.logical_bytes += source.nbytes
                 entries.append(
@@ -225,8 +309,10 @@ class Repository:
                         bytes(source.data),
                     )
                 )
+        writer.refresh_bases(entries)
         return entries
 
+    @leased
     def commit(
         self,
         manifest: Manifest,
@@ -238,13 +324,28 @@ class Repository:
         stats: WriteStats | None = None,
     ) -> Digest:
         """Make chunks durable, store the manifest, then move the ref (invariant 1)."""
+        self.leases.check()
         self.blobs.sync()
         digest = self.objects.put_manifest(encode_manifest(manifest), codec_by_name("zstd"))
         self.blobs.sync()
+        self.leases.check()  # a writer whose lease expired must not publish (invariant 5)
         self.refs_store.set(ref, digest, expected=expected, op=op, message=message)
         self.last_write = stats or WriteStats()
         return digest
 
+    def save_shard(self, state: Any, run_id: str, rank: int, world_size: int, **kw: Any) -> Digest:
+        """Store this rank's shard of a checkpoint for ``commit_shards`` (see ``cas.shards``)."""
+        from cas.shards import save_shard
+
+        return save_shard(self, state, run_id, rank, world_size, **kw)
+
+    def commit_shards(self, ref: str, run_id: str, world_size: int, **kw: Any) -> Digest:
+        """Merge the shards of ``run_id`` into one manifest named ``ref`` (see ``cas.shards``)."""
+        from cas.shards import commit_shards
+
+        return commit_shards(self, ref, run_id, world_size, **kw)
+
+    @leased
     def put_path(
         self,
         path: str | os.PathLike[str],
@@ -254,9 +355,14 @@ class Repository:
         allow_opaque_pickles: bool = False,
         expected: Digest | Any | None = _ANY,
         codec: str | None = None,
+        parent: str | None = None,
         progress: Progress | None = None,
     ) -> Digest:
-        """Ingest a file or a directory (e.g. an HF ``checkpoint-N/``) byte-for-byte under ``ref``."""
+        """Ingest a file or a directory (e.g. an HF ``checkpoint-N/``) byte-for-byte under ``ref``.
+
+        ``parent`` (default: the ref's current target) is the delta base for the tensors inside
+        known formats, matched by file and tensor name (or tensor name alone).
+        """
         from cas.formats import inspect_file
         from cas.formats.hfdir import inspect_directory
 
@@ -275,10 +381,13 @@ class Repository:
         stats = WriteStats()
         tensors: list[TensorEntry] = []
         entries: dict[str, FileEntry] = {}
+        parent_digest = self._parent_digest(name, parent)
+        writer, parents = self._tensor_writer(codec, stats, progress, parent_digest)
         for rel, file_path, layout in files:
             entries[rel] = self._write_file(
-                file_path, layout, self.codec(codec), tensors, stats, progress
+                file_path, layout, self.codec(codec), tensors, stats, progress, (writer, parents, rel)
             )
+        writer.refresh_bases(tensors)
         meta = {"source": kind, "name": source.name, **_clean_meta(metadata)}
         manifest = Manifest(
             kind="files",
@@ -286,7 +395,7 @@ class Repository:
             files=entries,
             meta=meta,
             created_at=self.clock(),
-            parent=self._parent_digest(name, None),
+            parent=parent_digest,
             chunk_size=self.config.chunk_size,
         )
         return self.commit(
@@ -301,7 +410,9 @@ class Repository:
         tensors: list[TensorEntry],
         stats: WriteStats,
         progress: Progress | None,
+        delta: tuple[TensorWriter, dict[str, TensorEntry], str],
     ) -> FileEntry:
+        writer, parents, rel = delta
         regions = [r for r in layout.regions if r.nbytes > self.config.inline_max]
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -321,29 +432,34 @@ class Repository:
                             self.config.cdc_avg_size,
                         )
                     )
-                    hints = [
-                        EncodeHints(
-                            elem_size=_itemsize(regions[i].dtype) if i is not None else 1,
-                            level=self.config.compression_level,
-                        )
-                        for _, i in cut_list
-                    ]
-                    futures = self.io.write_cuts(
-                        view, [c for c, _ in cut_list], codec, hints, stats, progress
+                    gap_futures = self.io.write_cuts(
+                        view,
+                        [c for c, i in cut_list if i is None],
+                        codec,
+                        EncodeHints(elem_size=1, level=self.config.compression_level),
+                        stats,
+                        self.leases.beat(progress),
                     )
-                    wait_all(futures)
-                    chunks = [f.result() for f in futures]
+                    submitted = []
+                    for index, region in enumerate(regions):
+                        target = TensorTarget(
+                            view,
+                            [c for c, i in cut_list if i == index],
+                            region.dtype,
+                            _itemsize(region.dtype),
+                            parents.get(f"{rel}:{region.name}") or parents.get(region.name),
+                        )
+                        submitted.append(writer.submit(target))
+                    wait_all([*gap_futures, *(f for p in submitted for f in p.futures())])
                 finally:
                     view.release()
         file_regions = []
-        for index, region in enumerate(regions):
-            region_chunks = tuple(c for c, (_, i) in zip(chunks, cut_list, strict=False) if i == index)
+        for region, written in zip(regions, submitted, strict=True):
             file_regions.append(FileRegion(region.name, len(tensors), region.offset))
-            tensors.append(
-                TensorEntry(
-                    "torch", region.dtype, tuple(region.shape), region.nbytes, region_chunks
-                )
-            )
+            tensors.append(writer.entry("torch", written, tuple(region.shape)))
+        gaps = iter([f.result() for f in gap_futures])
+        regions_chunks = [iter(tensors[r.tensor_index].chunks) for r in file_regions]
+        chunks = [next(gaps) if i is None else next(regions_chunks[i]) for _, i in cut_list]
         return FileEntry(size, layout.format, tuple(chunks), tuple(file_regions), mode)
 
     # -- reading -------------------------------------------------------------------------------
@@ -547,9 +663,16 @@ class Repository:
         return self.refs_store.delete(ref).target
 
     def show(self, ref: str) -> dict[str, Any]:
-        """Metadata and a tensor table from the manifest alone; no tensor data is read."""
+        """Metadata and a tensor table from the manifest; no tensor data is read.
+
+        Stored sizes come from statting the chunks (``cas.usage``): ``stored_bytes`` are the
+        chunks the checkpoint names, ``stored_with_bases`` adds the delta bases it needs.
+        """
+        from cas.usage import manifest_usage
+
         digest = self.resolve(ref)
         manifest = decode_manifest(self.objects.get_manifest(digest))
+        usage = manifest_usage(self, manifest).as_dict()
         return {
             "ref": ref,
             "manifest": digest,
@@ -559,6 +682,7 @@ class Repository:
             "meta": manifest.meta,
             "logical_bytes": manifest.logical_bytes(),
             "chunks": len({c.digest for c in manifest.chunk_refs()}),
+            **{k: v for k, v in usage.items() if k not in ("logical_bytes", "chunks")},
             "tensors": [info.__dict__ for info in tensor_table(manifest)],
             "files": {
                 p: {"size": e.size, "format": e.format, "chunks": len(e.chunks)}
@@ -633,7 +757,8 @@ def tensor_table(manifest: Manifest) -> list[TensorInfo]:
     rows = []
     for path, index in pairs:
         t = manifest.tensors[index]
-        rows.append(TensorInfo(path, t.dtype, t.shape, t.nbytes, len(t.chunks)))
+        codec = "inline" if t.inline is not None else (t.encoding or {}).get("codec", "raw")
+        rows.append(TensorInfo(path, t.dtype, t.shape, t.nbytes, len(t.chunks), str(codec)))
     return rows
 
 

@@ -154,7 +154,7 @@ def test_damaged_safetensors_is_refused_naming_the_file(
 
 
 def test_duplicate_safetensors_keys_are_refused(tmp_path: Path) -> None:
-    raw = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'  # noqa: E501
+    raw = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
     path = tmp_path / "dup.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0")
     with pytest.raises(FormatError, match="repeats key"):

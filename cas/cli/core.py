@@ -39,8 +39,8 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     """Create a store (other commands create one on first use too)."""
     from dataclasses import replace
 
-    from cas.encoding import standalone_codec
     from cas.config import StoreConfig
+    from cas.encoding import standalone_codec
 
     config = StoreConfig()
     if chunk_size:
@@ -201,9 +201,8 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
     for row in rows:
         if long_:
             step = row["meta"].get("step", "")
-            click.echo(
-                f"{row['manifest'][:12]}  {_when(row['updated'])}  {human_bytes(row['logical_bytes']):>10}  {step!s:>8}  {row['ref']}"
-            )
+            size = human_bytes(row["logical_bytes"])
+            click.echo(f"{row['manifest'][:12]}  {_when(row['updated'])}  {size:>10}  {step!s:>8}  {row['ref']}")
         else:
             click.echo(row["ref"])
 

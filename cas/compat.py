@@ -1,0 +1,122 @@
+"""Is a checkpoint compatible with this run? Config hashes at resume, strict key sets at phase
+transitions.
+
+Cobre refuses to resume under a changed config; Hydra loads gate checkpoints strictly at phase
+transitions, where a key mismatch means a code bug and must fail loudly. Both checks live here so
+the errors read the same wherever a checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cas.digest import digest_of
+from cas.errors import CASError, FormatError
+
+
+class ConfigMismatch(CASError):
+    """``resume`` found a checkpoint written under a different config hash."""
+
+
+class StrictLoadError(CASError):
+    """A strict load found missing, unexpected or reshaped keys."""
+
+
+def config_hash(config: Any) -> str:
+    """blake3 of the config's canonical JSON (dataclasses and mappings; keys sorted)."""
+    return digest_of(_canonical_json(config).encode())
+
+
+def check_config(ref: str, meta: Mapping[str, Any], current_hash: str | None, config: Any) -> None:
+    """Raise ConfigMismatch when ``ref`` was saved under a config hash other than ``current_hash``.
+
+    Nothing is checked when either side has no hash (an old checkpoint, a run without config).
+    """
+    saved = meta.get("config_hash")
+    if current_hash is None or saved is None or saved == current_hash:
+        return
+    changed = changed_keys(meta.get("config"), plain_config(config))
+    detail = f"; changed: {', '.join(changed)}" if changed else ""
+    raise ConfigMismatch(
+        f"cannot resume from {ref}: it was saved with config {saved[:12]}, this run's config "
+        f"is {current_hash[:12]}{detail}. Restore the original config, or start from "
+        "these weights with mode='warm_start'"
+    )
+
+
+def check_keys(loaded: Any, template: Any, where: str) -> None:
+    """Raise StrictLoadError listing missing, unexpected and reshaped keys of ``loaded``."""
+    have, want = _leaf_shapes(loaded), _leaf_shapes(template)
+    missing = sorted(want.keys() - have.keys())
+    unexpected = sorted(have.keys() - want.keys())
+    reshaped = sorted(
+        f"{k}: checkpoint {have[k]} vs expected {want[k]}"
+        for k in have.keys() & want.keys()
+        if have[k] != want[k]
+    )
+    if not (missing or unexpected or reshaped):
+        return
+    parts = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", reshaped)):
+        if items:
+            parts.append(f"{len(items)} {label}: {', '.join(items)}")
+    raise StrictLoadError(f"strict load of {where} failed: " + "; ".join(parts))
+
+
+def _leaf_shapes(state: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(state, (torch.Tensor, np.ndarray)):
+        return {path: (str(state.dtype).removeprefix("torch."), tuple(state.shape))}
+    if isinstance(state, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in state.items():
+            out.update(_leaf_shapes(value, f"{path}.{key}" if path else str(key)))
+        return out
+    if isinstance(state, (list, tuple)):
+        out = {}
+        for index, value in enumerate(state):
+            out.update(_leaf_shapes(value, f"{path}.{index}" if path else str(index)))
+        return out
+    return {path: None}
+
+
+def _jsonable(config: Any) -> Any:
+    if is_dataclass(config) and not isinstance(config, type):
+        return _jsonable(asdict(config))
+    if isinstance(config, Mapping):
+        return {str(k): _jsonable(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [_jsonable(v) for v in config]
+    if isinstance(config, (set, frozenset)):
+        return sorted(_jsonable(v) for v in config)
+    if config is None or isinstance(config, (bool, int, float, str)):
+        return config
+    raise FormatError(
+        f"config value {config!r} is a {type(config).__name__}; use dataclasses, dicts, lists "
+        "and plain values so the config hash is stable"
+    )
+
+
+def _canonical_json(config: Any) -> str:
+    return json.dumps(_jsonable(config), sort_keys=True, separators=(",", ":"))
+
+
+def plain_config(config: Any) -> Any:
+    return json.loads(_canonical_json(config)) if config is not None else None
+
+
+def changed_keys(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(old.keys() | new.keys()):
+            sub = f"{path}.{key}" if path else key
+            out.extend(changed_keys(old.get(key), new.get(key), sub))
+        return out
+    if old is None and new is None:
+        return []
+    return [path or "<config>"] if old != new else []

@@ -1,0 +1,452 @@
+"""CheckpointManager in-process: layout, latest/best, gates, resume modes, async saves, history."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import cas
+from cas.async_save import AsyncSaveError
+from cas.blobstore import LocalBlobStore
+from cas.config import StoreConfig
+from cas.errors import NotFound
+from cas.history import TAIL_MAX, TrainingHistory
+from cas.manager import (
+    CheckpointManager,
+    ConfigMismatch,
+    StrictLoadError,
+    config_hash,
+    new_run_id,
+)
+
+
+def make_model(seed: int = 0, out: int = 4) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, out))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.item())
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> cas.Repository:
+    return cas.open(tmp_path / "store", config=StoreConfig(chunk_size=16 << 10))
+
+
+def manager(repo: cas.Repository, **kw: Any) -> CheckpointManager:
+    kw.setdefault("run", "r1")
+    kw.setdefault("signals", False)
+    return CheckpointManager(repo, **kw)
+
+
+def test_run_id_encodes_start_time_and_seed() -> None:
+    run = new_run_id(0xA1B2C3D4, clock=lambda: 1768487422.0)
+    assert run == "20260115_143022_a1b2c3d4"
+
+
+def test_periodic_saves_follow_the_hydra_layout_with_latest_and_best(repo: cas.Repository) -> None:
+    model, opt = make_model()
+    losses = [5.0, 3.0, 4.0, 1.0, 2.0, 6.0]
+    with manager(repo, every_n_steps=10, best=("loss", "min"), phase=2) as mgr:
+        for step in range(1, 61):
+            train_step(model, opt)
+            mgr.step_end(step, lambda: state_of(model, opt), {"loss": losses[(step - 1) // 10]})
+        assert mgr.latest() == "runs/r1/phase2/ckpt_phase2_step00000060"
+        assert mgr.best_checkpoint() == "runs/r1/phase2/ckpt_phase2_step00000040"
+    names = sorted(r.name for r in repo.refs("runs/r1/phase2/"))
+    assert names == ["runs/r1/phase2/best"] + [
+        f"runs/r1/phase2/ckpt_phase2_step{s:08d}" for s in range(10, 61, 10)
+    ]
+    meta = repo.show("runs/r1/latest")["meta"]
+    assert (meta["step"], meta["phase"], meta["status"], meta["trigger"]) == (
+        60, 2, "running", "periodic"
+    )  # fmt: skip
+    assert [e.message for e in reversed(repo.log("runs/r1/latest"))] == [
+        f"runs/r1/phase2/ckpt_phase2_step{s:08d}" for s in range(10, 61, 10)
+    ]
+
+
+def test_best_by_max_ignores_missing_and_nan_metrics(repo: cas.Repository) -> None:
+    model, opt = make_model()
+    with manager(repo, best=("rating", "max")) as mgr:
+        mgr.save(1, state_of(model, opt), {"rating": 10.0})
+        mgr.save(2, state_of(model, opt), {"rating": float("nan")})
+        mgr.save(3, state_of(model, opt), {})
+        mgr.save(4, state_of(model, opt), {"rating": 12.5})
+        mgr.save(5, state_of(model, opt), {"rating": 11.0})
+        assert mgr.best_checkpoint() == "runs/r1/phase1/ckpt_phase1_step00000004"
+
+
+def test_async_save_keeps_the_state_as_it_was_when_save_returned(repo: cas.Repository) -> None:
+    model, opt = make_model()
+    train_step(model, opt)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with manager(repo) as mgr:
+        pending = mgr.save(1, state_of(model, opt))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the loop goes on while the save is written
+        result = pending.result()
+    loaded = repo.load(result.ref)["state"]["model"]
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value)
+    assert result.blocking_seconds < 5 and result.logical_bytes > 0
+
+
+class FailingChunks(LocalBlobStore):
+    """Chunk writes fail while ``failing`` is set."""
+
+    failing = False
+
+    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        if self.failing and key.startswith("chunks/"):
+            raise cas.BackendError("disk full (injected)")
+        super().put_parts(key, parts)
+
+
+class SlowChunks(LocalBlobStore):
+    delay = 0.0
+
+    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        if key.startswith("chunks/"):
+            time.sleep(self.delay)
+        super().put_parts(key, parts)
+
+
+def test_a_background_failure_is_raised_at_the_next_save_and_latest_stays(tmp_path: Path) -> None:
+    base = cas.open(tmp_path / "store")
+    blobs = FailingChunks(tmp_path / "store")
+    repo = cas.Repository(blobs, base.config)
+    model, opt = make_model()
+    mgr = manager(repo)
+    first = mgr.save(1, state_of(model, opt)).result()
+    train_step(model, opt)
+    blobs.failing = True
+    doomed = mgr.save(2, state_of(model, opt))
+    with pytest.raises(cas.BackendError):
+        doomed.result()
+    blobs.failing = False
+    with pytest.raises(AsyncSaveError, match="disk full"):
+        mgr.save(3, state_of(model, opt))
+    assert repo.resolve("runs/r1/latest") == first.digest
+    mgr.save(3, state_of(model, opt)).result()
+    mgr.close()
+    assert repo.show("runs/r1/latest")["meta"]["step"] == 3
+
+
+def test_a_failure_nobody_waited_for_is_raised_by_close(tmp_path: Path) -> None:
+    base = cas.open(tmp_path / "store")
+    blobs = FailingChunks(tmp_path / "store")
+    repo = cas.Repository(blobs, base.config)
+    model, opt = make_model()
+    mgr = manager(repo)
+    blobs.failing = True
+    mgr.save(1, state_of(model, opt))
+    with pytest.raises(AsyncSaveError):
+        mgr.close()
+
+
+def test_back_pressure_blocks_a_save_while_the_previous_one_is_written(tmp_path: Path) -> None:
+    base = cas.open(tmp_path / "store", config=StoreConfig(chunk_size=16 << 10))
+    blobs = SlowChunks(tmp_path / "store")
+    repo = cas.Repository(blobs, base.config)
+    model, opt = make_model()
+    train_step(model, opt)
+    with manager(repo, max_in_flight=1) as mgr:
+        blobs.delay = 0.05
+        first = mgr.save(1, state_of(model, opt))
+        assert first.blocking_seconds < 0.05
+        second = mgr.save(2, state_of(model, opt))
+        assert first.done()
+        assert second.blocking_seconds >= 0.05
+        blobs.delay = 0.0
+
+
+def test_resume_restores_state_rng_and_continues_the_history(repo: cas.Repository) -> None:
+    model, opt = make_model()
+    config = {"lr": 1e-2, "layers": [16, 32, 4]}
+    with manager(repo, config=config, seed=5) as mgr:
+        assert mgr.restore("auto").mode == "fresh"
+        for step in range(1, 4):
+            mgr.record(step, loss=train_step(model, opt))
+        mgr.save(3, state_of(model, opt)).result()
+    expected_draws = (torch.rand(3), np.random.rand(3), random.random())
+
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    other_model, other_opt = make_model(seed=9)
+    with manager(repo, config=config, seed=5) as mgr:
+        restored = mgr.restore("auto")
+        assert restored.mode == "resume" and restored.step == 3 and not restored.fallbacks
+        other_model.load_state_dict(restored.state["model"])
+        other_opt.load_state_dict(restored.state["optimizer"])
+        assert torch.equal(torch.rand(3), expected_draws[0])
+        assert np.array_equal(np.random.rand(3), expected_draws[1])
+        assert random.random() == expected_draws[2]
+        mgr.record(4, loss=train_step(other_model, other_opt))
+    records = mgr.history.read()
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r.get("event") for r in records if "event" in r] == ["save", "resume"]
+
+
+def test_config_change_on_resume_is_a_clear_error_and_warm_start_allows_it(
+    repo: cas.Repository,
+) -> None:
+    model, opt = make_model()
+    train_step(model, opt)
+    with manager(repo, config={"lr": 1e-2, "batch": 8}) as mgr:
+        mgr.save(7, state_of(model, opt)).result()
+    with manager(repo, config={"lr": 3e-4, "batch": 8}) as mgr:
+        with pytest.raises(ConfigMismatch, match=r"changed: lr.*warm_start"):
+            mgr.restore("resume")
+        restored = mgr.restore("warm_start", keys="model.*")
+    assert set(restored.state) == {"model"} and restored.step == 7
+    assert config_hash({"b": 1, "a": 2}) == config_hash({"a": 2, "b": 1})
+
+
+def test_warm_start_draws_fresh_randomness_from_the_seed(repo: cas.Repository) -> None:
+    model, opt = make_model()
+    with manager(repo, seed=11) as mgr:
+        mgr.save(1, state_of(model, opt)).result()
+        mgr.restore("warm_start")
+        first = torch.rand(4)
+        mgr.restore("warm_start")
+        assert torch.equal(torch.rand(4), first)
+        mgr.restore("fresh")
+        assert torch.equal(torch.rand(4), first)
+
+
+def test_corrupted_latest_falls_back_with_a_warning_and_reports_it(
+    repo: cas.Repository, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, opt = make_model()
+    with manager(repo) as mgr:
+        good = mgr.save(1, state_of(model, opt)).result()
+        train_step(model, opt)
+        bad = mgr.save(2, state_of(model, opt)).result()
+    digest = next(c.digest for t in repo.manifest(bad.ref).tensors for c in t.chunks)
+    path = Path(repo.blobs.path_of(f"chunks/{digest[:2]}/{digest}"))  # type: ignore[attr-defined]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="cas.manager"), manager(repo) as mgr:
+        restored = mgr.restore("resume")
+    assert restored.ref == good.ref and restored.step == 1
+    assert [s.ref for s in restored.fallbacks] == [bad.ref]
+    assert "corrupt" in restored.fallbacks[0].reason
+    assert bad.ref in caplog.text and "failed verification" in caplog.text
+    with manager(repo) as mgr, pytest.raises(cas.IntegrityError):
+        mgr.restore("resume", source=bad.ref)
+
+
+def test_resume_with_nothing_saved_is_not_found_and_auto_starts_fresh(
+    repo: cas.Repository,
+) -> None:
+    with manager(repo, run="empty") as mgr:
+        with pytest.raises(NotFound, match="no checkpoint"):
+            mgr.restore("resume")
+        assert mgr.restore("auto").state is None
+
+
+class KeepLastTwo:
+    """A stand-in retention policy: keep the two newest checkpoint refs of each phase."""
+
+    def apply(self, repo: cas.Repository) -> None:
+        ckpts = sorted(r.name for r in repo.refs("runs/**/ckpt_*"))
+        for name in ckpts[:-2]:
+            repo.rm(name)
+
+
+def test_gate_copy_survives_fifo_pruning_and_loads_strictly(repo: cas.Repository) -> None:
+    model, opt = make_model()
+    with manager(repo, best=("loss", "min"), policy=KeepLastTwo(), every_n_steps=1) as mgr:
+        mgr.step_end(1, state_of(model, opt), {"loss": 0.1})
+        mgr.promote_gate("bc_best")
+        for step in range(2, 6):
+            train_step(model, opt)
+            mgr.step_end(step, state_of(model, opt), {"loss": 1.0 + step})
+        mgr.wait()
+        assert [r.name.rsplit("_", 1)[-1] for r in repo.refs("runs/r1/phase1/ckpt_*")] == [
+            "step00000004", "step00000005"
+        ]  # fmt: skip
+        gate = mgr.load_gate(
+            "bc_best", keys="model.*", template={"model": make_model()[0].state_dict()}
+        )
+        assert gate["model"]["0.weight"].shape == (32, 16)
+        with pytest.raises(StrictLoadError) as info:
+            mgr.load_gate(
+                "bc_best", keys="model.*", template={"model": make_model(out=5)[0].state_dict()}
+            )
+        message = str(info.value)
+        assert "model.2.weight" in message and "shape" in message
+        extra_template = {"model": {**make_model()[0].state_dict(), "head.bias": torch.zeros(2)}}
+        with pytest.raises(StrictLoadError, match=r"1 missing: model\.head\.bias"):
+            mgr.load_gate("bc_best", keys="model.*", template=extra_template)
+    assert repo.refs("gates/bc_best")
+
+
+def test_phase_transition_warm_start_from_a_gate_is_strict(repo: cas.Repository) -> None:
+    model, opt = make_model()
+    with manager(repo, phase=1) as mgr:
+        mgr.save(100, state_of(model, opt)).result()
+        mgr.promote_gate("bc_best")
+    with manager(repo, phase=2) as mgr:
+        restored = mgr.restore(
+            "warm_start", source="gates/bc_best", keys="model.*",
+            template={"model": make_model()[0].state_dict()},
+        )  # fmt: skip
+        assert restored.phase == 1 and mgr.phase == 2
+        renamed = {"model": {f"student.{k}": v for k, v in make_model()[0].state_dict().items()}}
+        with pytest.raises(StrictLoadError, match=r"4 missing.*4 unexpected"):
+            mgr.restore("warm_start", source="gates/bc_best", keys="model.*", template=renamed)
+
+
+def test_sigterm_in_process_saves_the_completed_step_and_marks_the_run(
+    repo: cas.Repository,
+) -> None:
+    model, opt = make_model()
+    previous = signal.getsignal(signal.SIGTERM)
+    mgr = manager(repo, signals=True, exit_on_stop=False, every_n_steps=100)
+    for step in range(1, 10):
+        train_step(model, opt)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step; acted on at the boundary
+        pending = mgr.step_end(step, state_of(model, opt))
+        if pending is not None:
+            break
+    assert pending is not None and pending.step == 4
+    meta = repo.show("runs/r1/latest")["meta"]
+    assert (meta["status"], meta["trigger"], meta["step"]) == ("interrupted", "signal", 4)
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_history_is_append_only_and_seals_old_records_into_shared_chunks(
+    repo: cas.Repository,
+) -> None:
+    history = TrainingHistory(repo, "runs/h/history")
+    records = [{"step": i, "loss": 1.0 / (i + 1), "note": "x" * 40} for i in range(4000)]
+    for start in range(0, 4000, 250):
+        history.append(records[start : start + 250])
+    assert history.read() == records and len(history) == 4000
+    manifest = repo.manifest("runs/h/history")
+    sealed = [t for t in manifest.tensors if t.inline is None]
+    assert sealed and sum(len(t.inline or b"") for t in manifest.tensors) <= TAIL_MAX
+    before = {c.digest for t in sealed for c in t.chunks}
+    history.append([{"step": 4000, "loss": 0.0}])
+    after = {c.digest for t in repo.manifest("runs/h/history").tensors for c in t.chunks}
+    assert before <= after
+
+
+def test_concurrent_history_appends_lose_nothing(repo: cas.Repository) -> None:
+    history = TrainingHistory(repo, "runs/h/history")
+
+    def writer(offset: int) -> None:
+        for i in range(10):
+            history.append([{"step": offset + i}])
+
+    threads = [threading.Thread(target=writer, args=(k * 100,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r["step"] for r in history.read()) == sorted(
+        k * 100 + i for k in range(3) for i in range(10)
+    )
+
+
+@pytest.mark.s3
+def test_saves_and_resume_work_against_real_s3_with_conditional_refs(s3_url: str) -> None:
+    repo = cas.open(s3_url)
+    model, opt = make_model()
+    with manager(repo, every_n_steps=2, best=("loss", "min"), config={"lr": 1}) as mgr:
+        for step in range(1, 7):
+            loss = train_step(model, opt)
+            mgr.step_end(step, lambda: state_of(model, opt), {"loss": loss})
+        assert mgr.latest() == "runs/r1/phase1/ckpt_phase1_step00000006"
+    with manager(repo, config={"lr": 1}) as mgr:
+        restored = mgr.restore("resume")
+    assert restored.step == 6
+    assert torch.equal(restored.state["model"]["0.weight"], model.state_dict()["0.weight"])
+    stale = manager(repo, config={"lr": 1})
+    mgr2 = manager(repo, config={"lr": 1})
+    mgr2.save(7, state_of(model, opt)).result()
+    stale.save(8, state_of(model, opt))
+    with pytest.raises(AsyncSaveError, match="latest"):
+        stale.close()
+    mgr2.close()
+
+
+def test_hydra_fifo_retention_as_the_policy_spares_best_and_gate(repo: cas.Repository) -> None:
+    retention = pytest.importorskip("cas.retention")
+    policy = retention.RetentionPolicy(
+        rules=(
+            retention.Rule(
+                select="runs/*/phase*/ckpt_*", max_count=3,
+                protect_targets_of=("runs/*/phase*/best", "gates/**"),
+            ),
+        ),
+        protect=("gates/**",),
+    )  # fmt: skip
+    model, opt = make_model()
+    losses = [3.0, 0.5, 2.0, 2.5, 2.2, 2.1, 2.4, 2.6]
+    with manager(repo, best=("loss", "min"), policy=policy, every_n_steps=1) as mgr:
+        for step, loss in enumerate(losses, start=1):
+            train_step(model, opt)
+            mgr.step_end(step, state_of(model, opt), {"loss": loss})
+            if step == 2:
+                mgr.wait()
+                mgr.promote_gate("bc_best")
+        mgr.wait()
+    kept = sorted(r.name.rsplit("_", 1)[-1] for r in repo.refs("runs/r1/phase1/ckpt_*"))
+    assert "step00000002" in kept and "step00000008" in kept and len(kept) <= 3
+    assert repo.resolve("gates/bc_best") == repo.resolve("runs/r1/phase1/best")
+    assert repo.load("gates/bc_best", keys="state.model.*")["state"]["model"]
+
+
+def test_the_cpu_copy_is_exact_for_every_layout_and_keeps_tied_tensors_tied() -> None:
+    from cas.async_save import Stager
+
+    tied = torch.randn(4, 4)
+    state: dict[str, Any] = {
+        "bf16": torch.randn(3, 4).bfloat16(),
+        "flag": torch.tensor(True),
+        "transposed": torch.randn(4, 3).t(),
+        "conj": torch.randn(2, dtype=torch.complex64).conj(),
+        "empty": torch.zeros(0, 5),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "array": np.arange(6, dtype=np.int16),
+        "tied": [tied, tied],
+    }
+    stager = Stager()
+    staging = stager.acquire()
+    for _ in range(2):  # the second pass reuses the staging buffers
+        copy = stager.snapshot(state, staging)
+        for key in ("bf16", "flag", "transposed", "conj", "empty", "scalar"):
+            assert copy[key].dtype == state[key].dtype and torch.equal(
+                copy[key], state[key].resolve_conj()
+            ), key
+        assert np.array_equal(copy["array"], state["array"])
+        assert copy["tied"][0] is copy["tied"][1] and copy["tied"][0] is not tied
+        state["bf16"].add_(1)
