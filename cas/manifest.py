@@ -298,3 +298,25 @@ def decode_manifest(data: bytes) -> Manifest:
         parent=parse_digest(parent) if parent else None,
         chunk_size=chunk_size,
     )
+
+
+def check_meta(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """Validate user metadata for a manifest: JSON-like values only (never tensors or objects)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not _is_plain(metadata):
+        raise FormatError(
+            "metadata must be a dict of JSON-like values: numbers, strings, bools, None, lists, "
+            "dicts with str keys (put tensors in the state)"
+        )
+    return dict(metadata)
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from cas.chunking import Cut, fixed_cuts, layout_cuts
 from cas.chunkio import ChunkIO, Progress, WriteStats, wait_all
 from cas.codecs import Codec, EncodeHints, codec_by_name
 from cas.config import StoreConfig, read_config, write_config
+from cas.describe import DiffEntry, diff_manifests, tensor_table
 from cas.digest import Digest, digest_of, parse_digest
 from cas.encoding import (
     DeltaSettings,
@@ -32,10 +33,12 @@ from cas.encoding import (
 from cas.errors import CASError, FormatError, InvalidName, NotFound
 from cas.leases import LeaseManager, LeaseSettings, leased
 from cas.manifest import (
+    ITEMSIZE,
     FileEntry,
     FileRegion,
     Manifest,
     TensorEntry,
+    check_meta,
     decode_manifest,
     encode_manifest,
 )
@@ -107,6 +110,8 @@ def _guard_remote(blobs: BlobStore, *, readonly: bool, single_writer: bool) -> B
     from cas.blobstore.s3 import S3BlobStore
 
     writer = not (readonly or single_writer)
+    if isinstance(blobs, S3BlobStore):
+        blobs.check_bucket()
     # The first supports_conditional_writes probes the server (three small requests).
     if isinstance(blobs, S3BlobStore) and writer and not blobs.supports_conditional_writes:
         raise CASError(
@@ -116,29 +121,6 @@ def _guard_remote(blobs: BlobStore, *, readonly: bool, single_writer: bool) -> B
             "single_writer=True if only one process ever writes this store"
         )
     return RetryingBlobStore(blobs)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One row of ``show``: a tensor's path, dtype, shape and size, read from the manifest only."""
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    chunks: int
-    codec: str = "raw"
-    """The codec the writer chose for the tensor (``TensorEntry.encoding``), ``inline`` if tiny."""
-
-
-@dataclass(frozen=True)
-class DiffEntry:
-    """One path that differs between two checkpoints."""
-
-    path: str
-    change: str
-    """``added``, ``removed``, ``changed`` (bytes), ``retyped`` (dtype or shape)."""
-    nbytes: int
 
 
 class Repository:
@@ -218,7 +200,7 @@ class Repository:
             kind="state",
             tensors=tuple(entries),
             tree=tree,
-            meta=_clean_meta(metadata),
+            meta=check_meta(metadata),
             created_at=self.clock(),
             parent=parent_digest,
             chunk_size=self.config.chunk_size,
@@ -385,10 +367,16 @@ class Repository:
         writer, parents = self._tensor_writer(codec, stats, progress, parent_digest)
         for rel, file_path, layout in files:
             entries[rel] = self._write_file(
-                file_path, layout, self.codec(codec), tensors, stats, progress, (writer, parents, rel)
+                file_path,
+                layout,
+                self.codec(codec),
+                tensors,
+                stats,
+                progress,
+                (writer, parents, rel),
             )
         writer.refresh_bases(tensors)
-        meta = {"source": kind, "name": source.name, **_clean_meta(metadata)}
+        meta = {"source": kind, "name": source.name, **check_meta(metadata)}
         manifest = Manifest(
             kind="files",
             tensors=tuple(tensors),
@@ -446,7 +434,7 @@ class Repository:
                             view,
                             [c for c, i in cut_list if i == index],
                             region.dtype,
-                            _itemsize(region.dtype),
+                            ITEMSIZE.get(region.dtype, 1),
                             parents.get(f"{rel}:{region.name}") or parents.get(region.name),
                         )
                         submitted.append(writer.submit(target))
@@ -692,103 +680,9 @@ class Repository:
 
     def diff(self, a: str, b: str) -> list[DiffEntry]:
         """Entries that differ between two checkpoints, compared by chunk digests, not bytes."""
-        left = {t.path: t for t in _digest_table(self.manifest(a))}
-        right = {t.path: t for t in _digest_table(self.manifest(b))}
-        out = []
-        for path in sorted(left.keys() | right.keys()):
-            x, y = left.get(path), right.get(path)
-            if x is None and y is not None:
-                out.append(DiffEntry(path, "added", y.nbytes))
-            elif y is None and x is not None:
-                out.append(DiffEntry(path, "removed", x.nbytes))
-            elif x is not None and y is not None:
-                if (x.dtype, x.shape) != (y.dtype, y.shape):
-                    out.append(DiffEntry(path, "retyped", y.nbytes))
-                elif x.identity != y.identity:
-                    out.append(DiffEntry(path, "changed", y.nbytes))
-        return out
-
-
-@dataclass(frozen=True)
-class _Comparable:
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    identity: Any
-
-
-def _digest_table(manifest: Manifest) -> list[_Comparable]:
-    rows = []
-    if manifest.kind == "state":
-        for path, index in iter_tensor_paths(manifest.tree):
-            t = manifest.tensors[index]
-            rows.append(
-                _Comparable(
-                    path, t.dtype, t.shape, t.nbytes, t.inline or tuple(c.digest for c in t.chunks)
-                )
-            )
-        for path, value in _value_leaves(manifest.tree, ""):
-            rows.append(_Comparable(path, "value", (), 0, repr(value)))
-    for path, entry in manifest.files.items():
-        rows.append(
-            _Comparable(path, entry.format, (), entry.size, tuple(c.digest for c in entry.chunks))
-        )
-    return rows
-
-
-def _value_leaves(node: Any, path: str) -> Iterable[tuple[str, Any]]:
-    if isinstance(node, dict) and node.get("~") in ("dict", "list", "tuple"):
-        items = node["items"] if node["~"] == "dict" else list(enumerate(node["items"]))
-        for key, value in items:
-            yield from _value_leaves(value, f"{path}.{key}" if path else str(key))
-    elif not (isinstance(node, dict) and node.get("~") == "tensor"):
-        yield path, node
-
-
-def tensor_table(manifest: Manifest) -> list[TensorInfo]:
-    """Every tensor a manifest names, with its path, from the manifest alone."""
-    if manifest.kind == "state":
-        pairs = list(iter_tensor_paths(manifest.tree))
-    else:
-        pairs = [
-            (f"{p}:{r.name}", r.tensor_index) for p, e in manifest.files.items() for r in e.regions
-        ]
-    rows = []
-    for path, index in pairs:
-        t = manifest.tensors[index]
-        codec = "inline" if t.inline is not None else (t.encoding or {}).get("codec", "raw")
-        rows.append(TensorInfo(path, t.dtype, t.shape, t.nbytes, len(t.chunks), str(codec)))
-    return rows
+        return diff_manifests(self.manifest(a), self.manifest(b))
 
 
 def _byte_view(buffer: torch.Tensor) -> memoryview:
     """A writable memoryview over a flat uint8 CPU tensor."""
     return memoryview(buffer.numpy())  # type: ignore[arg-type]
-
-
-def _itemsize(dtype: str) -> int:
-    from cas.manifest import ITEMSIZE
-
-    return ITEMSIZE.get(dtype, 1)
-
-
-def _clean_meta(metadata: dict[str, Any] | None) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict) or not _is_plain(metadata):
-        raise FormatError(
-            "metadata must be a dict of JSON-like values: numbers, strings, bools, None, lists, "
-            "dicts with str keys (put tensors in the state)"
-        )
-    return dict(metadata)
-
-
-def _is_plain(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
-    return False

@@ -12,7 +12,7 @@ stamp=.venv/.cas-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -
 if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e ".[dev]"
+    .venv/bin/python -m pip install -q -e ".[dev,hf,lightning]"
     rm -f .venv/.cas-setup-*
     touch "$stamp"
 fi

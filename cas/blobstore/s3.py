@@ -410,6 +410,22 @@ class S3BlobStore(BlobStore):
         """Whether the server enforces If-None-Match/If-Match on PutObject (probed once)."""
         return self._capabilities_now().conditional_put
 
+    def check_bucket(self) -> None:
+        """Raise a one-line BackendError unless the bucket exists and these credentials reach it.
+
+        Some servers (SeaweedFS among them) create a missing bucket on the first PUT into it, so
+        a typo in a bucket name would silently start a new store without this check.
+        """
+        with self._errors("head bucket", None):
+            try:
+                self._client.head_bucket(Bucket=self.bucket)
+            except botocore.exceptions.ClientError as e:
+                if _http_status(e) == 404 or _error_code(e) in ("NoSuchBucket", "404", "NotFound"):
+                    raise BackendError(
+                        f"bucket {self.bucket!r} does not exist at {self.endpoint_url}"
+                    ) from e
+                raise
+
     def check_conditional_writes(self) -> None:
         """Raise CASError unless several writers can safely share this store."""
         if not self.supports_conditional_writes:
