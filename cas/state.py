@@ -197,13 +197,16 @@ def decode_state(
                 item = walk(value, f"{path}.{key}" if path else str(key))
                 if item is not missing:
                     out[key] = item
-            return missing if select is not None and not out and node["items"] else out
+            if select is not None and not out and not (not node["items"] and select(path)):
+                return missing  # nothing selected inside (an empty dict only if named itself)
+            return out
         if tag in ("list", "tuple"):
             items = [
                 walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])
             ]
-            if select is not None and items and all(i is missing for i in items):
-                return missing
+            if select is not None and all(i is missing for i in items):
+                if items or not select(path):
+                    return missing
             values = [None if i is missing else i for i in items]
             return tuple(values) if tag == "tuple" else values
         if select is not None and not select(path):
