@@ -14,6 +14,7 @@ for a backend whose compare-and-swap is safe within one process only.
 
 from __future__ import annotations
 
+import abc
 import random
 import threading
 import time
@@ -53,7 +54,7 @@ def _blob(size: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-class BlobStoreConformance:
+class BlobStoreConformance(abc.ABC):
     """The BlobStore contract as tests; subclass it and implement ``make_store``."""
 
     conditional_writes: bool | None = None
@@ -64,9 +65,9 @@ class BlobStoreConformance:
     tmp_path: Path
     request: pytest.FixtureRequest
 
+    @abc.abstractmethod
     def make_store(self) -> BlobStore:
         """A fresh, empty store; called once per test."""
-        raise NotImplementedError
 
     def fixture(self, name: str) -> Any:
         """The value of another pytest fixture, for ``make_store``."""
