@@ -27,14 +27,18 @@ class Context:
     quiet: bool
 
     def open(self, *, create: bool = True, readonly: bool = False) -> Any:
-        """Open the store (imported lazily so ``cas --help`` stays fast)."""
+        """Open the ``--store`` store (imported lazily so ``cas --help`` stays fast)."""
+        return self.open_url(self.store, create=create, readonly=readonly)
+
+    def open_url(self, url: str | None, **kw: Any) -> Any:
+        """Open a store by URL (None: the default); ``--endpoint-url`` applies to S3 URLs only."""
         import cas
 
         options: dict[str, Any] = {}
         # AWS_ENDPOINT_URL feeds --endpoint-url; only S3 stores take it (a local one would fail).
-        if self.endpoint_url and (self.store or "").startswith(("s3://", "s3a://")):
+        if self.endpoint_url and (url or "").startswith(("s3://", "s3a://")):
             options["endpoint_url"] = self.endpoint_url
-        return cas.open(self.store, create=create, readonly=readonly, **options)
+        return cas.open(url, **kw, **options)
 
 
 class CASGroup(click.Group):
@@ -93,6 +97,10 @@ def cli(ctx: click.Context, store: str | None, endpoint_url: str | None, quiet: 
     ctx.obj = Context(store, endpoint_url, quiet)
 
 
+pass_ctx = click.make_pass_decorator(Context)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
 def emit_json(value: Any) -> None:
     """Print one JSON document on stdout."""
     click.echo(json.dumps(value, indent=2, default=_json_default, sort_keys=False))
@@ -108,12 +116,11 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-@contextmanager
-def progress_bar(obj: Context, total: int | None, desc: str) -> Iterator[Callable[[int], None]]:
+def byte_bar(obj: Context, total: int | None, desc: str) -> Any:
     """A tqdm byte counter on stderr (silent with --quiet or when stderr is not a terminal)."""
     from tqdm import tqdm
 
-    with tqdm(
+    return tqdm(
         total=total,
         desc=desc,
         unit="B",
@@ -122,7 +129,13 @@ def progress_bar(obj: Context, total: int | None, desc: str) -> Iterator[Callabl
         disable=obj.quiet,
         file=sys.stderr,
         leave=False,
-    ) as bar:
+    )
+
+
+@contextmanager
+def progress_bar(obj: Context, total: int | None, desc: str) -> Iterator[Callable[[int], None]]:
+    """``byte_bar`` as a plain ``update(nbytes)`` callback."""
+    with byte_bar(obj, total, desc) as bar:
         yield bar.update
 
 

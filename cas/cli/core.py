@@ -9,10 +9,7 @@ from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, human_bytes, progress_bar
-
-pass_ctx = click.make_pass_decorator(Context)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+from cas.cli.app import Context, cli, emit_json, human_bytes, json_option, pass_ctx, progress_bar
 
 
 def _when(ts: float) -> str:
@@ -202,7 +199,9 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
         if long_:
             step = row["meta"].get("step", "")
             size = human_bytes(row["logical_bytes"])
-            click.echo(f"{row['manifest'][:12]}  {_when(row['updated'])}  {size:>10}  {step!s:>8}  {row['ref']}")
+            click.echo(
+                f"{row['manifest'][:12]}  {_when(row['updated'])}  {size:>10}  {step!s:>8}  {row['ref']}"
+            )
         else:
             click.echo(row["ref"])
 
@@ -223,7 +222,9 @@ def show(obj: Context, ref: str, as_json: bool) -> None:
     click.echo(f"size      {human_bytes(info['logical_bytes'])} in {info['chunks']} chunks")
     stored = f"stored    {human_bytes(info['stored_bytes'])} (ratio {info['ratio']:.3f})"
     if info["base_chunks"]:
-        stored += f", {human_bytes(info['stored_with_bases'])} with {info['base_chunks']} delta bases"
+        stored += (
+            f", {human_bytes(info['stored_with_bases'])} with {info['base_chunks']} delta bases"
+        )
     if info["missing_chunks"]:
         stored += f", {info['missing_chunks']} chunks MISSING"
     click.echo(stored)

@@ -4,38 +4,37 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, human_bytes
+from cas.cli.app import Context, cli, emit_json, human_bytes, json_option, pass_ctx
 
-pass_ctx = click.make_pass_decorator(Context)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+def _parsed(parse: Callable[[str], Any], value: str | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
 
 
 def duration_param(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
     """Click callback: a duration option (``36h``, ``7d``) in seconds."""
     from cas.units import parse_duration
 
-    if value is None:
-        return None
-    try:
-        return parse_duration(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from e
+    seconds: float | None = _parsed(parse_duration, value)
+    return seconds
 
 
 def size_param(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     """Click callback: a size option (``150G``) in bytes."""
     from cas.units import parse_size
 
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from e
+    nbytes: int | None = _parsed(parse_size, value)
+    return nbytes
 
 
 @cli.command()

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import click
 
-from cas.cli.app import Context, cli
+from cas.cli.app import Context, cli, pass_ctx
 from cas.errors import CASError
-
-pass_ctx = click.make_pass_decorator(Context)
 
 
 @cli.command()
 @click.argument("ref")
 @click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--allow-other", is_flag=True, help="Let other users read the mount (needs user_allow_other).")
+@click.option(
+    "--allow-other", is_flag=True, help="Let other users read the mount (needs user_allow_other)."
+)
 @pass_ctx
 def mount(obj: Context, ref: str, mountpoint: Path, allow_other: bool) -> None:
     """Mount REF (a checkpoint, or a prefix such as runs/r1) read-only at MOUNTPOINT.

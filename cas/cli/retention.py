@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 
 import click
 
-from cas.cli.app import Context, cli, emit_json
-from cas.cli.gc import duration_param, json_option, pass_ctx, run_gc, size_param
+from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx
+from cas.cli.gc import duration_param, run_gc, size_param
 
 F = TypeVar("F", bound=Callable[..., Any])
 

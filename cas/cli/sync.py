@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, human_bytes
+from cas.cli.app import Context, byte_bar, cli, emit_json, human_bytes, json_option, pass_ctx
 
-pass_ctx = click.make_pass_decorator(Context)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 codec_option = click.option(
     "--codec", default="keep", show_default=True, metavar="NAME",
     help="Re-encode copied chunks (zstd, raw, bytegroup-zstd, auto); keep copies them as stored.",
@@ -23,31 +20,11 @@ jobs_option = click.option(
 )  # fmt: skip
 
 
-def _open_other(obj: Context, url: str | None, **kw: Any) -> Any:
-    """Open a store by URL (None: the default); ``--endpoint-url`` applies to S3 URLs."""
-    import cas
-
-    options: dict[str, Any] = {}
-    if obj.endpoint_url and (url or "").startswith(("s3://", "s3a://")):
-        options["endpoint_url"] = obj.endpoint_url
-    return cas.open(url, **kw, **options)
-
-
 @contextmanager
 def _transfer_bar(obj: Context, desc: str) -> Iterator[Callable[[int, int], None]]:
     """A byte bar counting moved + skipped, with both shown separately."""
-    from tqdm import tqdm
-
     totals = {"moved": 0, "skipped": 0}
-    with tqdm(
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=obj.quiet,
-        file=sys.stderr,
-        leave=False,
-    ) as bar:
+    with byte_bar(obj, None, desc) as bar:
 
         def update(moved: int, skipped: int) -> None:
             totals["moved"] += moved
@@ -74,7 +51,9 @@ def _print_report(report: Any, verb: str) -> None:
 
 @cli.command()
 @click.argument("refs", nargs=-1, required=True)
-@click.option("--to", "url", required=True, metavar="URL", help="Destination store (s3://..., a path).")
+@click.option(
+    "--to", "url", required=True, metavar="URL", help="Destination store (s3://..., a path)."
+)
 @codec_option
 @jobs_option
 @json_option
@@ -90,7 +69,7 @@ def push(
     from cas.transfer import push as run_push
 
     local = obj.open(create=False)
-    remote = _open_other(obj, url, config=local.config)
+    remote = obj.open_url(url, config=local.config)
     with _transfer_bar(obj, f"push {url}") as update:
         report = run_push(local, remote, list(refs), jobs=jobs, progress=update, codec=codec)
     if as_json:
@@ -101,7 +80,9 @@ def push(
 
 @cli.command()
 @click.argument("refs", nargs=-1, required=True)
-@click.option("--from", "url", required=True, metavar="URL", help="Source store (s3://..., a path).")
+@click.option(
+    "--from", "url", required=True, metavar="URL", help="Source store (s3://..., a path)."
+)
 @codec_option
 @jobs_option
 @json_option
@@ -113,11 +94,11 @@ def pull(
     from cas.errors import NotFound
     from cas.transfer import pull as run_pull
 
-    remote = _open_other(obj, url, create=False, readonly=True)
+    remote = obj.open_url(url, create=False, readonly=True)
     try:
         local = obj.open(create=False)
     except NotFound:
-        local = _open_other(obj, obj.store, config=remote.config)
+        local = obj.open_url(obj.store, config=remote.config)
     with _transfer_bar(obj, f"pull {url}") as update:
         report = run_pull(local, remote, list(refs), jobs=jobs, progress=update, codec=codec)
     if as_json:
@@ -158,7 +139,7 @@ def archive(
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--grace") from e
     local = obj.open(create=False)
-    remote = _open_other(obj, url, config=local.config)
+    remote = obj.open_url(url, config=local.config)
     with _transfer_bar(obj, f"archive {url}") as update:
         report = run_archive(
             local, remote, list(refs), jobs=jobs, progress=update, grace=grace_seconds, codec=codec
