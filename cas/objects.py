@@ -163,14 +163,23 @@ class ObjectStore:
         """Bytes the chunk occupies in the store."""
         return self.blobs.stat(chunk_key(digest)).size
 
-    def get_chunk(self, digest: Digest, _depth: int = 0) -> bytes | memoryview:
-        """The verified decoded bytes of a chunk; IntegrityError if they do not hash to ``digest``."""
-        key = chunk_key(digest)
-        blob = self.blobs.get(key)
-        decoded = self._decode(digest, blob, _depth)
+    def get_chunk(self, digest: Digest) -> bytes | memoryview:
+        """The verified decoded bytes of a chunk; IntegrityError if they do not hash to ``digest``.
+
+        Delta bases on the way are decoded but not hashed one by one: a base with a wrong byte
+        makes the chunk built on it hash wrong, so checking the chunk itself catches it, and a
+        chain of depth d costs one hash instead of d + 1.
+        """
+        decoded = self._decode(digest, self.blobs.get(chunk_key(digest)), 0)
         if digest_of(decoded) != digest:
-            raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+            raise IntegrityError(
+                f"chunk {digest} is corrupt: its bytes (or a delta base's) hash to something else"
+            )
         return decoded
+
+    def _get_base(self, digest: Digest, depth: int) -> bytes | memoryview:
+        """A delta base's decoded bytes, checked only through the chunk built on it."""
+        return self._decode(digest, self.blobs.get(chunk_key(digest)), depth)
 
     def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
         """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes.
@@ -213,7 +222,7 @@ class ObjectStore:
                 envelope.params,
                 payload,
                 envelope.decoded_size,
-                lambda base: self.get_chunk(base, depth + 1),
+                lambda base: self._get_base(base, depth + 1),
             )
         except FormatError as e:
             raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -89,32 +88,24 @@ def split_planes(data: Bytes, elem_size: int) -> tuple[Bytes, Bytes]:
     return np.ascontiguousarray(body.reshape(n, elem_size).T), data[n * elem_size :]
 
 
-_WORDS: dict[int, np.dtype[np.unsignedinteger[Any]]] = {
-    2: np.dtype("<u2"),
-    4: np.dtype("<u4"),
-    8: np.dtype("<u8"),
-}
-
-
 def join_planes(planes: list[Bytes], tail: Bytes) -> Bytes:
     """Interleave planes back into elements, then append the tail: the inverse of split_planes."""
     n = len(planes[0])
     out = np.empty(n * len(planes) + len(tail), dtype=np.uint8)
     body = out[: n * len(planes)]
-    word = _WORDS.get(len(planes))
     if len(planes) == 1:
         body[:] = planes[0]
-    elif word is not None:
-        # Shifting planes into little-endian words measured up to 2x faster than np.stack's
-        # strided byte copies for 2- and 4-byte elements.
-        words = body.view(word)
-        shift = word.type(8)
-        words[:] = planes[-1]
-        for plane in reversed(planes[:-1]):
-            np.left_shift(words, shift, out=words)
-            np.bitwise_or(words, plane, out=words)
+    elif len(planes) == 2:
+        # For 2-byte elements shifting planes into little-endian words measured 1.7x faster than
+        # strided byte copies; from 4 bytes up the strided copies win (1.25x at 4, 2.2x at 8).
+        words = body.view("<u2")
+        words[:] = planes[1]
+        np.left_shift(words, np.uint16(8), out=words)
+        np.bitwise_or(words, planes[0], out=words)
     else:
-        body.reshape(n, len(planes))[:] = np.stack(planes, axis=1)
+        grid = body.reshape(n, len(planes))
+        for k, plane in enumerate(planes):
+            grid[:, k] = plane
     out[n * len(planes) :] = tail
     return out
 

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import threading
+
 import zstandard
 
 from cas.codecs.base import BaseFetcher, Codec, EncodeHints
 from cas.errors import FormatError
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor: a context costs more to set up than a small frame to decode."""
+    found: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
+    if found is None:
+        found = _local.decompressor = zstandard.ZstdDecompressor()
+    return found
 
 
 def zstd_decompress_bounded(payload: memoryview | bytes, decoded_size: int) -> bytes:
@@ -18,7 +30,7 @@ def zstd_decompress_bounded(payload: memoryview | bytes, decoded_size: int) -> b
     if declared not in (-1, decoded_size):
         raise FormatError(f"zstd frame declares {declared} bytes, header says {decoded_size}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(
+        out = _decompressor().decompress(
             payload, max_output_size=decoded_size if decoded_size > 0 else 1
         )
     except zstandard.ZstdError as e:
