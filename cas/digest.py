@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import NewType
 
 import blake3
@@ -25,9 +25,11 @@ def digest_of(data: bytes | bytearray | memoryview) -> Digest:
     return Digest(blake3.blake3(data, max_threads=threads).hexdigest())
 
 
-def digest_of_parts(parts: Iterable[bytes | bytearray | memoryview]) -> Digest:
+def digest_of_parts(parts: Sequence[bytes | bytearray | memoryview]) -> Digest:
     """Return the blake3 digest of the concatenation of ``parts``."""
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    total = sum(memoryview(part).nbytes for part in parts)
+    threads = blake3.blake3.AUTO if total >= _MULTITHREAD_THRESHOLD else 1
+    hasher = blake3.blake3(max_threads=threads)
     for part in parts:
         hasher.update(part)
     return Digest(hasher.hexdigest())

@@ -339,7 +339,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def ukey(self, path: str) -> str:
         """Changes when the file's bytes may have changed: its chunk digests."""
         _, _, view = self._file(self._strip_protocol(path))
-        return digest_of_parts(e.digest.encode() if e.digest else e.data or b"" for e in view.extents)
+        return digest_of_parts([e.digest.encode() if e.digest else e.data or b"" for e in view.extents])
 
     # -- writing ---------------------------------------------------------------------------------
 

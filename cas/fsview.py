@@ -277,34 +277,47 @@ def _plain_leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 class ChunkCache:
-    """A small LRU of verified chunks, bounded in bytes; safe across threads.
+    """A small LRU of verified chunks, or of a chunk's tail, bounded in bytes; safe across threads.
 
-    Evicted buffers are reused for the next fetch (a fresh multi-MiB buffer costs page faults),
-    which is safe because every copy out of the cache happens under its lock.
+    A tail is what a sequential reader has not consumed yet of a chunk its last read ended
+    inside. Evicted buffers are reused for the next fetch (a fresh multi-MiB buffer costs page
+    faults), which is safe because every copy out of the cache happens under its lock.
     """
 
     def __init__(self, capacity: int, spare_buffers: int = 8) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[Digest, memoryview] = OrderedDict()
+        self._items: OrderedDict[Digest, tuple[int, memoryview]] = OrderedDict()
+        """digest -> (offset in the chunk of the first byte held, bytes held)"""
         self._spare: list[bytearray] = []
         self._spare_max = spare_buffers
         self._bytes = 0
         self._lock = threading.Lock()
 
     def copy_into(self, digest: Digest, inner: slice, dst: memoryview) -> bool:
-        """Copy ``chunk[inner]`` into ``dst`` if the chunk is cached; False if it is not."""
+        """Copy ``chunk[inner]`` into ``dst`` if the cache holds those bytes; False if not."""
         with self._lock:
-            data = self._items.get(digest)
-            if data is None:
+            item = self._items.get(digest)
+            if item is None:
+                return False
+            first, data = item
+            if inner.start < first or inner.stop > first + len(data):
                 return False
             self._items.move_to_end(digest)
-            dst[:] = data[inner]
+            dst[:] = data[inner.start - first : inner.stop - first]
             return True
 
-    def contains(self, digest: Digest) -> bool:
-        """Whether the chunk is cached."""
+    def holds(self, digest: Digest, inner: slice) -> bool:
+        """Whether the cache holds bytes ``inner`` of the chunk (they may be evicted by the time
+        they are copied; ``copy_into`` says)."""
         with self._lock:
-            return digest in self._items
+            item = self._items.get(digest)
+            return item is not None and item[0] <= inner.start and inner.stop <= item[0] + len(item[1])
+
+    def contains(self, digest: Digest) -> bool:
+        """Whether the whole chunk is cached."""
+        with self._lock:
+            item = self._items.get(digest)
+            return item is not None and item[0] == 0
 
     def buffer(self, size: int) -> memoryview:
         """A writable buffer of ``size`` bytes to fetch a chunk into, reused when possible."""
@@ -314,21 +327,28 @@ class ChunkCache:
                     return memoryview(self._spare.pop(i))[:size]
         return memoryview(bytearray(size))
 
-    def put(self, digest: Digest, data: memoryview) -> None:
-        """Remember a chunk (a buffer from ``buffer``), evicting the least recently used."""
+    def put(self, digest: Digest, data: memoryview, first: int = 0) -> None:
+        """Remember verified bytes of a chunk from offset ``first`` (a buffer from ``buffer``),
+        evicting the least recently used; a whole chunk replaces a tail of it."""
         if len(data) > self.capacity:
             return
         with self._lock:
-            if digest in self._items:
-                return
-            self._items[digest] = data
+            held = self._items.get(digest)
+            if held is not None:
+                if held[0] <= first:
+                    return
+                self._drop(digest)
+            self._items[digest] = (first, data)
             self._bytes += len(data)
             while self._bytes > self.capacity:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= len(old)
-                if len(self._spare) < self._spare_max and isinstance(old.obj, bytearray):
-                    self._spare.append(old.obj)
-                old.release()
+                self._drop(next(iter(self._items)))
+
+    def _drop(self, digest: Digest) -> None:
+        _, old = self._items.pop(digest)
+        self._bytes -= len(old)
+        if len(self._spare) < self._spare_max and isinstance(old.obj, bytearray):
+            self._spare.append(old.obj)
+        old.release()
 
 
 class ViewReader:
@@ -378,6 +398,7 @@ class ViewReader:
         if start >= end:
             return 0
         work: list[Callable[[], None]] = []
+        cached: list[tuple[Extent, slice, memoryview]] = []
         for extent in view.touched(start, end):
             lo, hi = max(start, extent.offset), min(end, extent.offset + extent.size)
             dst = out[lo - start : hi - start]
@@ -386,7 +407,8 @@ class ViewReader:
                 dst[:] = extent.data[inner]
                 continue
             assert extent.digest is not None
-            if self.cache.copy_into(extent.digest, inner, dst):
+            if self.cache.holds(extent.digest, inner):
+                cached.append((extent, inner, dst))
                 continue
             with self._lock:
                 pending = self._inflight.get(extent.digest)
@@ -394,14 +416,21 @@ class ViewReader:
                 work.append(_after(self, pending, extent, inner, dst))
             elif hi - lo == extent.size:
                 work.append(_whole(self.repo, extent.digest, dst))
+            elif lo == extent.offset:
+                work.append(_head(self, extent.digest, dst, extent.size))
             else:
                 work.append(_part(self, extent, inner, dst))
         if readahead:
             self.prefetch(view, end, end + readahead)
-        if len(work) == 1:
-            work[0]()
-        elif work:
-            futures: list[Future[None]] = [self.repo.io.pool.submit(task) for task in work]
+        # Fetches beyond the first go to the pool; this thread copies out of the cache and runs
+        # the first fetch meanwhile, so a sequential read keeps both cores busy.
+        futures: list[Future[None]] = [self.repo.io.pool.submit(task) for task in work[1:]]
+        try:
+            for extent, inner, dst in cached:
+                _copy_out(self, extent, inner, dst)
+            if work:
+                work[0]()
+        finally:
             wait_all(futures)
         return end - start
 
@@ -417,6 +446,18 @@ class ViewReader:
 
 def _whole(repo: Repository, digest: Digest, dst: memoryview) -> Callable[[], None]:
     return lambda: repo.objects.read_chunk_into(digest, dst)
+
+
+def _head(reader: ViewReader, digest: Digest, dst: memoryview, size: int) -> Callable[[], None]:
+    """Read a chunk whose head the range covers: the head into the caller's buffer, the tail into
+    the cache for the next sequential read, both verified together and copied once."""
+
+    def run() -> None:
+        tail = reader.cache.buffer(size - len(dst))
+        reader.repo.objects.read_chunk_parts(digest, [dst, tail])
+        reader.cache.put(digest, tail, len(dst))
+
+    return run
 
 
 def _part(reader: ViewReader, extent: Extent, inner: slice, dst: memoryview) -> Callable[[], None]:

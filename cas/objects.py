@@ -18,11 +18,12 @@ codec. Chunks live under ``chunks/<d[:2]>/<d>``, manifests under ``manifests/<d[
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore
 from cas.codecs import Codec, EncodeHints, codec_by_id
-from cas.digest import Digest, digest_of
+from cas.digest import Digest, digest_of, digest_of_parts
 from cas.errors import FormatError, IntegrityError, NotFound
 
 OBJECT_MAGIC = b"CASo"
@@ -182,34 +183,40 @@ class ObjectStore:
         return self._decode(digest, self.blobs.get(chunk_key(digest)), depth)
 
     def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
-        """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes.
+        """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes."""
+        self.read_chunk_parts(digest, [out])
 
-        On stores that read in place (local files) a raw chunk goes straight from the file into
-        ``out`` with no intermediate copy.
+    def read_chunk_parts(self, digest: Digest, outs: Sequence[memoryview]) -> None:
+        """Scatter the verified chunk bytes over ``outs`` in order (their sizes sum to the chunk's).
+
+        On stores that read in place (local files) a raw chunk goes straight from its file into
+        the buffers in one read and is hashed there, with no intermediate copy: a reader whose
+        range ends inside a chunk gets that head in its own buffer and the rest in a side buffer.
         """
         key = chunk_key(digest)
+        size = sum(len(out) for out in outs)
         if self.blobs.reads_in_place:
-            header = bytearray(HEADER_SIZE)
-            got = self.blobs.read_into(key, 0, memoryview(header))
+            header = memoryview(bytearray(HEADER_SIZE))
+            got = self.blobs.read_into_parts(key, 0, [header, *outs])
             if got < HEADER_SIZE:
                 raise IntegrityError(f"chunk {digest} is corrupt: shorter than its header")
             # Only the fixed fields are here; other codecs' parameters follow and are checked
             # by get_chunk below.
             magic, version, codec_id, params_len, decoded_size = _HEADER.unpack_from(header, 0)
             raw = (magic, version, codec_id, params_len) == (OBJECT_MAGIC, OBJECT_VERSION, 0, 0)
-            if raw and decoded_size == len(out):
-                got = self.blobs.read_into(key, HEADER_SIZE, out)
-                if got != len(out) or digest_of(out) != digest:
+            if raw and decoded_size == size:
+                if got != HEADER_SIZE + size or digest_of_parts(outs) != digest:
                     raise IntegrityError(
                         f"chunk {digest} is corrupt: its bytes hash to something else"
                     )
                 return
-        decoded = self.get_chunk(digest)
-        if len(decoded) != len(out):
-            raise IntegrityError(
-                f"chunk {digest} has {len(decoded)} bytes, manifest says {len(out)}"
-            )
-        out[:] = decoded
+        decoded = memoryview(self.get_chunk(digest)).cast("B")
+        if len(decoded) != size:
+            raise IntegrityError(f"chunk {digest} has {len(decoded)} bytes, manifest says {size}")
+        offset = 0
+        for out in outs:
+            out[:] = decoded[offset : offset + len(out)]
+            offset += len(out)
 
     def _decode(self, digest: Digest, blob: bytes, depth: int) -> bytes | memoryview:
         if depth > MAX_DELTA_DEPTH:

@@ -122,6 +122,16 @@ class BlobStore(ABC):
         out[: len(data)] = data
         return len(data)
 
+    def read_into_parts(self, key: str, start: int, outs: Sequence[memoryview]) -> int:
+        """``read_into`` over several buffers filled in order; return the total count read."""
+        total = 0
+        for out in outs:
+            got = self.read_into(key, start + total, out)
+            total += got
+            if got < len(out):
+                break
+        return total
+
     @property
     def reads_in_place(self) -> bool:
         """Whether ``read_into`` is cheaper than ``get`` (local files), so readers prefer it."""

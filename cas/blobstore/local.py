@@ -67,21 +67,30 @@ class LocalBlobStore(BlobStore):
             raise BackendError(f"reading {path}: {e.strerror}") from e
 
     def read_into(self, key: str, start: int, out: memoryview) -> int:
+        return self.read_into_parts(key, start, [out])
+
+    def read_into_parts(self, key: str, start: int, outs: Sequence[memoryview]) -> int:
+        """One open and, in the common case, one ``preadv`` filling every buffer in order."""
         path = self._path(key)
+        wanted = sum(len(out) for out in outs)
         try:
-            with open(path, "rb", buffering=0) as f:
-                f.seek(start)
-                total = 0
-                while total < len(out):
-                    n = f.readinto(out[total:])
-                    if not n:
-                        break
-                    total += n
-                return total
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
             raise NotFound(f"no blob {key!r}") from e
         except OSError as e:
             raise BackendError(f"reading {path}: {e.strerror}") from e
+        try:
+            total = 0
+            while total < wanted:
+                n = os.preadv(fd, _remaining(outs, total), start + total)
+                if not n:
+                    break
+                total += n
+            return total
+        except OSError as e:
+            raise BackendError(f"reading {path}: {e.strerror}") from e
+        finally:
+            os.close(fd)
 
     @property
     def reads_in_place(self) -> bool:
@@ -261,3 +270,15 @@ def _fsync_dir(directory: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def _remaining(outs: Sequence[memoryview], done: int) -> list[memoryview]:
+    """The parts of ``outs`` after the first ``done`` bytes (a short read resumes here)."""
+    rest: list[memoryview] = []
+    for out in outs:
+        if done >= len(out):
+            done -= len(out)
+            continue
+        rest.append(out[done:] if done else out)
+        done = 0
+    return rest
