@@ -10,7 +10,9 @@ remote, which stays the single source of truth that other writers see.
 - Writes are write-through: remote first, then the local copy. A save through the cache therefore
   completes only when the remote holds every chunk, and the remote ref (moved after the chunks)
   never names a chunk that exists only in this machine's cache. A failure to fill the cache is
-  logged and ignored; it costs a later remote read, not data.
+  logged and ignored; it costs a later remote read, not data. A create-only put (``put_new_parts``)
+  that finds the chunk on the remote already caches nothing: the remote may hold another encoding
+  (a delta against another base), and the cache must hold what the remote holds.
 - ``has``, ``stat``, ``touch`` and listings ask the remote: dedup must check that the remote has a
   chunk (GC there may have swept it even though the cache still holds it), and GC ages are the
   remote's.
@@ -90,11 +92,21 @@ class CachingBlobStore(BlobStore):
 
     def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
         self.remote.put_parts(key, parts)
-        if self._digest_of_key(key) is not None:
-            try:
-                self.local.put_parts(key, parts)
-            except BackendError as e:
-                log.warning("cas cache: cannot cache %s in %s: %s", key, self.local.url, e)
+        self._fill_parts(key, parts)
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        created = self.remote.put_new_parts(key, parts)
+        if created:
+            self._fill_parts(key, parts)
+        return created
+
+    def _fill_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        if self._digest_of_key(key) is None:
+            return
+        try:
+            self.local.put_parts(key, parts)
+        except BackendError as e:
+            log.warning("cas cache: cannot cache %s in %s: %s", key, self.local.url, e)
 
     def has(self, key: str) -> bool:
         return self.remote.has(key)

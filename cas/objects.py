@@ -34,6 +34,8 @@ MAX_PARAMS = 4096
 DEFAULT_HINTS = EncodeHints()
 MAX_DELTA_DEPTH = 64
 """A base chain deeper than this is treated as corrupt (a cycle or a hostile store)."""
+CREATE_ATTEMPTS = 3
+"""Create-only puts of a chunk that keeps vanishing right after losing, before it is overwritten."""
 
 
 def chunk_key(digest: Digest) -> str:
@@ -92,16 +94,19 @@ class PutResult:
     stored_bytes: int
     new: bool
     base: Digest | None = None
-    """The chunk this one is encoded against (delta codecs), for a new chunk and an existing one
-    alike: a writer that reuses a chunk must record its base chain in the manifest (GC reads
-    manifests only)."""
+    """The chunk the *stored* encoding is against (delta codecs), for a new chunk and an existing
+    one alike: a writer that reuses a chunk must record its base chain in the manifest (GC reads
+    manifests only). When a concurrent writer stored the chunk first, this is that writer's base,
+    whatever this call encoded against, and ``new`` is False."""
 
 
 class ObjectStore:
     """Chunks and manifests on a BlobStore: dedup on put, verification on get.
 
     ``put_chunk`` of a chunk that already exists writes nothing but refreshes its modification
-    time, so an age-based GC sweep running concurrently spares it (dulwich's "freshen").
+    time, so an age-based GC sweep running concurrently spares it (dulwich's "freshen"). New
+    chunks are written create-only, so the first stored encoding of a chunk is never replaced by
+    a concurrent writer's (see ``_create``).
     """
 
     def __init__(self, blobs: BlobStore, *, max_object_size: int = 256 << 20) -> None:
@@ -126,10 +131,13 @@ class ObjectStore:
         """Store one chunk unless present; return its digest, the bytes written and its base.
 
         Presence is learnt from the stored header, which also gives the base an existing chunk
-        was delta-encoded against. An existing chunk whose header is unreadable (damaged, or an
-        unknown codec) is written again; ``replace=True`` always writes, e.g. to re-encode a chunk
-        standalone when its stored base chain is broken. Decoded bytes, hence identity, never
-        change. ``encoded`` is ``codec.encode(data, hints)`` when the caller already has it.
+        was delta-encoded against. A chunk found absent is written create-only: if another writer
+        stored it meanwhile, its encoding stays and the result carries its base. An existing
+        chunk whose header is unreadable (damaged, or an unknown codec) is written again;
+        ``replace=True`` always writes, e.g. to re-encode a chunk standalone when its stored base
+        chain is broken (safe against any writer: a standalone chunk needs no base). Decoded
+        bytes, hence identity, never change. ``encoded`` is ``codec.encode(data, hints)`` when the
+        caller already has it.
         """
         view = memoryview(data).cast("B")
         digest = digest or digest_of(view)
@@ -147,9 +155,43 @@ class ObjectStore:
                     return PutResult(digest, len(view), 0, False, base)
         params, payload = encoded if encoded is not None else codec.encode(view, hints)
         header = encode_header(codec, params, len(view))
-        self.blobs.put_parts(key, (header, payload))
+        if replace:
+            self.blobs.put_parts(key, (header, payload))
+        else:
+            created, stored_base = self._create(key, (header, payload), freshen)
+            if not created:
+                return PutResult(digest, len(view), 0, False, stored_base)
         base = codec.base_of(params) if codec.needs_base else None
         return PutResult(digest, len(view), len(header) + len(payload), True, base)
+
+    def _create(
+        self, key: str, parts: tuple[bytes, bytes | memoryview], freshen: bool
+    ) -> tuple[bool, Digest | None]:
+        """Write a new chunk create-only: ``(True, None)`` if this call stored it, else
+        ``(False, base)`` with the base of the encoding another writer stored first.
+
+        Two writers can both find a chunk absent and encode it against different bases. Were the
+        second write to replace the first, the first writer's manifest would record a base the
+        stored chunk no longer needs, and GC, which reads manifests only, could sweep the one it
+        does need. So the first write stays and the others record its base instead, refreshing
+        it like any reused chunk. A chunk that is there but unreadable (damaged) is overwritten,
+        as the presence check does; so is one that keeps vanishing right after each lost create.
+        """
+        for _ in range(CREATE_ATTEMPTS):
+            if self.blobs.put_new_parts(key, parts):
+                return True, None
+            present, base = self._stored_base(key)
+            if present:
+                try:
+                    if freshen:
+                        self.blobs.touch(key)
+                except FileNotFoundError:
+                    continue  # swept since: try to create it again
+                return False, base
+            if self.blobs.has(key):
+                break  # damaged: no manifest can depend on how it is encoded
+        self.blobs.put_parts(key, parts)
+        return True, None
 
     def _stored_base(self, key: str) -> tuple[bool, Digest | None]:
         """``(present and readable, base)`` of a stored chunk, from its header only."""

@@ -11,7 +11,8 @@ and manifests stay valid in both stores. The transfer layer calls ``recode_chunk
   ``"auto"`` picks the smallest of those on a sample, as the write path does without a parent.
 - Delta codecs are refused: choosing a base is the writer's job (``cas.encoding``).
 
-A chunk the destination already holds is refreshed, not rewritten.
+A chunk the destination already holds is refreshed, not rewritten, and copies are create-only:
+one that a concurrent writer stores first stays as that writer encoded it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def recode_chunk(
         if dst.has_chunk(digest):
             return dst.put_chunk(data, codec_by_name("raw"), digest=digest)  # refreshes it
         blob = src.blobs.get(chunk_key(digest))
-        dst.blobs.put(chunk_key(digest), blob)
+        if not dst.blobs.put_new_parts(chunk_key(digest), (blob,)):
+            # Stored meanwhile by another writer, perhaps against another base: report that one.
+            return dst.put_chunk(data, codec_by_name("raw"), digest=digest)
         return PutResult(digest, len(data), len(blob), True, base)
     elem = group_size("", elem_size)
     hints = EncodeHints(elem_size=elem, level=level)

@@ -28,7 +28,12 @@ def capture() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "version": RNG_FORMAT_VERSION,
-        "python": {"version": py_version, "state": list(py_state), "gauss_next": gauss_next},
+        # 624 Mersenne Twister words and the position: one array leaf, not 625 int nodes.
+        "python": {
+            "version": py_version,
+            "state": np.asarray(py_state, dtype=np.uint32),
+            "gauss_next": gauss_next,
+        },
         "numpy": {
             "kind": str(kind),
             "keys": np.asarray(keys, dtype=np.uint32).copy(),

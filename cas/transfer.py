@@ -11,7 +11,8 @@ save does, so a destination ref never names a manifest whose chunks are missing 
    small sets, a listing of the touched ``chunks/<xx>/`` prefixes when that costs fewer requests.
 4. Copy the missing chunks in parallel as stored envelopes (the codec is kept); each blob is
    decoded and hashed on the way, so corrupt bytes never travel. With ``codec=`` set, chunks are
-   re-encoded for the destination instead (``cas.recode``), e.g. zstd for an archive.
+   re-encoded for the destination instead (``cas.recode``), e.g. zstd for an archive. Copies are
+   create-only: a chunk a destination writer stores meanwhile keeps that writer's encoding.
 5. ``sync`` the destination, copy the manifests, ``sync`` again, then move each destination ref by
    compare-and-swap. A ref that moved meanwhile is a ``RefConflict``; everything copied stays, and
    the old target remains in the ref's history, so nothing is lost.
@@ -439,7 +440,9 @@ class _ChunkCopier:
         decoded = verify_object(self.src.objects, digest, blob)
         envelope = parse_envelope(blob, self.src.objects.max_object_size)
         base = codec_by_id(envelope.codec_id).base_of(envelope.params)
-        self.dst.blobs.put(key, blob)
+        # Create-only: a chunk a writer stored at the destination meanwhile, perhaps as a delta
+        # against another base that its manifest records, must not be replaced.
+        self.dst.blobs.put_new_parts(key, (blob,))
         with self._lock:
             if base is not None:
                 self._bases.add(base)

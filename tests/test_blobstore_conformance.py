@@ -9,11 +9,18 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from cas.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore, open_blobstore
+from cas.blobstore import (
+    BlobStore,
+    LocalBlobStore,
+    MemoryBlobStore,
+    ReadOnlyBlobStore,
+    open_blobstore,
+)
 from cas.blobstore.faulty import FaultyBlobStore
 from cas.blobstore.fsspec_store import FsspecBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.blobstore.s3 import S3BlobStore
+from cas.errors import ReadOnlyError
 from cas.testing import BlobStoreConformance, ManualClock
 
 
@@ -61,3 +68,10 @@ def test_open_blobstore_routes_fsspec_urls_to_fsspec_store() -> None:
     assert isinstance(store, FsspecBlobStore)
     assert isinstance(store.fs, MemoryFileSystem)
     assert not store.supports_conditional_writes
+
+
+def test_a_read_only_store_refuses_create_only_puts() -> None:
+    inner = MemoryBlobStore()
+    with pytest.raises(ReadOnlyError):
+        ReadOnlyBlobStore(inner).put_new_parts("chunks/a", (b"x",))
+    assert not inner.has("chunks/a")

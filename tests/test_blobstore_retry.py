@@ -87,6 +87,24 @@ def test_a_conditional_delete_that_landed_before_failing_counts_as_done() -> Non
     assert not faulty.inner.has("refs/old")
 
 
+def test_a_create_only_put_that_landed_before_failing_counts_as_created() -> None:
+    faulty = FaultyBlobStore(MemoryBlobStore())
+    store, _ = _retrying(faulty)
+    faulty.fail_next("put_new_parts", after_write=True)
+    assert store.put_new_parts("chunks/a", (b"our ", b"bytes")) is True
+    assert faulty.calls["put_new_parts"] == 2
+    assert faulty.inner.get("chunks/a") == b"our bytes"
+
+
+def test_a_create_only_put_that_finds_other_bytes_after_a_failure_lost() -> None:
+    faulty = FaultyBlobStore(MemoryBlobStore())
+    store, _ = _retrying(faulty)
+    faulty.inner.put("chunks/a", b"their bytes")
+    faulty.fail_next("put_new_parts")
+    assert store.put_new_parts("chunks/a", (b"our bytes",)) is False
+    assert faulty.inner.get("chunks/a") == b"their bytes"
+
+
 def test_fault_injection_replays_exactly_from_its_seed() -> None:
     def fault_pattern(seed: int) -> list[bool]:
         faulty = FaultyBlobStore(MemoryBlobStore(), rate=0.3, rates={"has": 0.0}, seed=seed)

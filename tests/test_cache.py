@@ -10,11 +10,12 @@ import torch
 
 import cas
 from cas.archive import archive
-from cas.blobstore import LocalBlobStore
+from cas.blobstore import LocalBlobStore, MemoryBlobStore
 from cas.blobstore.faulty import FaultyBlobStore
 from cas.blobstore.s3 import S3BlobStore
 from cas.cache import CachingBlobStore
 from cas.config import StoreConfig, read_config
+from cas.digest import digest_of
 from cas.errors import IntegrityError
 from cas.objects import chunk_key
 from cas.repo import Repository
@@ -85,6 +86,19 @@ def test_saves_through_the_cache_land_on_the_remote_before_the_ref(
     assert_bit_exact(cas.open(s3_url).load("runs/r1/latest"), state)  # no cache: all on S3
     cached_chunks = set(LocalBlobStore(tmp_path / "cache").list("chunks/"))
     assert cached_chunks == set(through_cache.blobs.list("chunks/"))
+
+
+def test_a_create_only_put_caches_only_what_it_created(tmp_path: Path) -> None:
+    remote = MemoryBlobStore()
+    blobs = CachingBlobStore(LocalBlobStore(tmp_path / "cache"), remote)
+    ours, theirs = chunk_key(digest_of(b"ours")), chunk_key(digest_of(b"theirs"))
+    assert blobs.put_new_parts(ours, (b"our ", b"encoding")) is True
+    assert blobs.cached(ours) and blobs.local.get(ours) == b"our encoding"
+    # Another writer's encoding is on the remote: the cache must not hold ours instead.
+    remote.put(theirs, b"their encoding")
+    assert blobs.put_new_parts(theirs, (b"our encoding",)) is False
+    assert not blobs.cached(theirs)
+    assert remote.get(theirs) == b"their encoding"
 
 
 def test_archive_frees_only_chunks_no_remaining_local_ref_needs(tmp_path: Path) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +15,11 @@ from safetensors.torch import save_file
 
 import cas
 from cas.cli import cli
+from cas.codecs import EncodeHints, codec_by_name
 from cas.config import StoreConfig
 from cas.digest import Digest
 from cas.manifest import Manifest
-from cas.objects import chunk_key
+from cas.objects import ObjectStore, PutResult, chunk_key
 from cas.recode import recode_chunk, recode_manifest
 from cas.usage import manifest_usage, stored_bytes
 from tests.helpers import assert_bit_exact, local_root
@@ -203,6 +207,112 @@ def test_a_reused_chunk_whose_base_is_gone_is_rewritten(tmp_path: Path) -> None:
     repo.save(states[1], "again")
     assert_bit_exact(repo.load("again"), states[1])
     assert_bit_exact(repo.load("b"), states[1])
+
+
+def _absent_at_first_look(monkeypatch: pytest.MonkeyPatch, keys: set[str]) -> None:
+    """Make the first presence check of each key report it absent, as when two writers check a
+    new chunk at the same moment: the writer goes on to encode and store it."""
+    real = ObjectStore._stored_base
+    looked: set[str] = set()
+    lock = threading.Lock()
+
+    def stored_base(self: ObjectStore, key: str) -> tuple[bool, Digest | None]:
+        with lock:
+            first = key in keys and key not in looked
+            looked.add(key)
+        return (False, None) if first else real(self, key)
+
+    monkeypatch.setattr(ObjectStore, "_stored_base", stored_base)
+
+
+def _record_puts(monkeypatch: pytest.MonkeyPatch) -> list[PutResult]:
+    """Every ``PutResult`` that ``ObjectStore.put_chunk`` returns from now on."""
+    real = ObjectStore.put_chunk
+    results: list[PutResult] = []
+
+    def put_chunk(self: ObjectStore, *args: Any, **kwargs: Any) -> PutResult:
+        result = real(self, *args, **kwargs)
+        results.append(result)
+        return result
+
+    monkeypatch.setattr(ObjectStore, "put_chunk", put_chunk)
+    return results
+
+
+@pytest.mark.parametrize("first", ["delta", "standalone"])
+def test_a_chunk_stored_first_keeps_its_encoding_and_a_racing_writer_gets_its_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    objects = delta_repo(tmp_path / "s").objects
+    base_a, base_b, chunk = (random.Random(seed).randbytes(CHUNK) for seed in range(3))
+    a = objects.put_chunk(base_a, codec_by_name("raw")).digest
+    b = objects.put_chunk(base_b, codec_by_name("raw")).digest
+    xor = codec_by_name("xor-delta")
+    if first == "delta":
+        stored = objects.put_chunk(chunk, xor, EncodeHints(base=base_a, base_digest=a))
+    else:
+        stored = objects.put_chunk(chunk, codec_by_name("zstd"))
+    stored_base = a if first == "delta" else None
+    _absent_at_first_look(monkeypatch, {chunk_key(stored.digest)})
+    # The second writer encodes against b, finds the chunk taken when it writes, and is told so.
+    lost = objects.put_chunk(chunk, xor, EncodeHints(base=base_b, base_digest=b))
+    assert (lost.digest, lost.new, lost.stored_bytes, lost.base) == (
+        stored.digest,
+        False,
+        0,
+        stored_base,
+    )
+    assert objects.chunk_base(stored.digest) == stored_base
+    objects.blobs.delete(chunk_key(b))  # only the loser's manifest would have named b
+    assert objects.get_chunk(stored.digest) == chunk
+
+
+def test_a_chunk_whose_stored_header_is_damaged_is_written_again(tmp_path: Path) -> None:
+    objects = delta_repo(tmp_path / "s").objects
+    chunk = random.Random(5).randbytes(CHUNK)
+    digest = objects.put_chunk(chunk, codec_by_name("zstd")).digest
+    objects.blobs.put(chunk_key(digest), b"not a cas object")
+    result = objects.put_chunk(chunk, codec_by_name("zstd"))
+    assert result.new and result.stored_bytes > 0
+    assert objects.get_chunk(digest) == chunk
+
+
+def test_a_save_that_loses_a_chunk_race_records_the_stored_base_so_gc_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = delta_repo(tmp_path / "s", codec="xor-delta")
+    torch.manual_seed(0)
+    a, b, x = ({"w": torch.randn(64, 256)} for _ in range(3))
+    first.save(a, "a")
+    first.save(b, "b")
+    first.save(x, "x1", parent="a")
+    a_chunks = [c.digest for c in first.manifest("a").tensors[0].chunks]
+    x_chunks = [c.digest for c in first.manifest("x1").tensors[0].chunks]
+    assert len(x_chunks) == 4
+    assert [first.objects.chunk_base(d) for d in x_chunks] == a_chunks
+
+    # A second writer checked x's chunks at the same moment (absent) and encodes them against b.
+    second = cas.open(tmp_path / "s")
+    _absent_at_first_look(monkeypatch, {chunk_key(d) for d in x_chunks})
+    results = _record_puts(monkeypatch)
+    second.save(x, "x2", parent="b")
+    got = {r.digest: r for r in results if r.digest in x_chunks}
+    assert {d: (r.new, r.base) for d, r in got.items()} == {
+        d: (False, base) for d, base in zip(x_chunks, a_chunks, strict=True)
+    }
+    assert second.last_write.new_chunks == 0
+    assert [second.objects.chunk_base(d) for d in x_chunks] == a_chunks
+    assert set(a_chunks) <= set(second.manifest("x2").tensors[0].base_digests())
+
+    # Either checkpoint alone survives a GC from manifests alone (everything else deleted).
+    for keep in ("x1", "x2"):
+        root = tmp_path / f"gc-{keep}"
+        shutil.copytree(tmp_path / "s", root)
+        repo = cas.open(root)
+        for ref in {"a", "b", "x1", "x2"} - {keep}:
+            repo.rm(ref)
+        assert simulate_gc(repo) > 0
+        assert_bit_exact(repo.load(keep), x)
 
 
 def test_a_fine_tune_is_a_delta_against_its_named_base_model(tmp_path: Path) -> None:

@@ -119,19 +119,19 @@ class FailingChunks(LocalBlobStore):
 
     failing = False
 
-    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         if self.failing and key.startswith("chunks/"):
             raise cas.BackendError("disk full (injected)")
-        super().put_parts(key, parts)
+        return super().put_new_parts(key, parts)
 
 
 class SlowChunks(LocalBlobStore):
     delay = 0.0
 
-    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         if key.startswith("chunks/"):
             time.sleep(self.delay)
-        super().put_parts(key, parts)
+        return super().put_new_parts(key, parts)
 
 
 def test_a_background_failure_is_raised_at_the_next_save_and_latest_stays(tmp_path: Path) -> None:

@@ -125,6 +125,30 @@ def test_server_answers_map_to_transient_or_permanent_errors(
     _assert_one_line_naming(caught.value, s3_url)
 
 
+@pytest.mark.parametrize(
+    ("status", "code", "outcome"),
+    [
+        (412, "PreconditionFailed", "exists"),
+        (409, "ConditionalRequestConflict", "transient"),
+        (403, "AccessDenied", "error"),
+    ],
+)
+def test_create_only_put_answers_map_to_false_or_errors(
+    s3_url: str, status: int, code: str, outcome: str
+) -> None:
+    store = S3BlobStore.from_url(s3_url, max_attempts=1, conditional_writes=True)
+    store._client.meta.events.register_first(
+        "before-send.s3", _answer_every_request_with(status, code)
+    )
+    if outcome == "exists":
+        assert store.put_new_parts("chunks/a", (b"data",)) is False
+        return
+    with pytest.raises(BackendError) as caught:
+        store.put_new_parts("chunks/a", (b"data",))
+    assert isinstance(caught.value, TransientBackendError) == (outcome == "transient")
+    _assert_one_line_naming(caught.value, s3_url)
+
+
 def test_seaweedfs_enforces_conditional_writes_and_the_probe_cleans_up(s3_url: str) -> None:
     store = S3BlobStore.from_url(s3_url)
     store.check_conditional_writes()
@@ -172,6 +196,10 @@ def test_a_server_ignoring_conditional_headers_is_refused_for_many_writers(
         store.delete_conditional("refs/main", first)
     store.delete_conditional("refs/main", second)
     assert not store.has("refs/main")
+    # Create-only chunk puts fall back to check-then-write, still create-only in this process.
+    assert store.put_new_parts("chunks/ab/c", (b"first",)) is True
+    assert store.put_new_parts("chunks/ab/c", (b"second",)) is False
+    assert store.get("chunks/ab/c") == b"first"
 
 
 def test_moto_conditional_writes_are_detected(moto_s3: None) -> None:
@@ -182,6 +210,9 @@ def test_moto_conditional_writes_are_detected(moto_s3: None) -> None:
     with pytest.raises(PreconditionFailed):
         store.put_conditional("refs/main", b"two", None)
     assert store.get_versioned("refs/main") == (b"one", version)
+    assert store.put_new_parts("chunks/ab/c", (b"first",)) is True
+    assert store.put_new_parts("chunks/ab/c", (b"second",)) is False
+    assert store.get("chunks/ab/c") == b"first"
 
 
 def test_blobs_above_the_threshold_go_up_in_parts(s3_url: str) -> None:

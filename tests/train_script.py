@@ -37,10 +37,10 @@ class SlowChunkStore(LocalBlobStore):
         super().__init__(root)
         self.delay = delay
 
-    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         if self.armed.is_set() and key.startswith("chunks/"):
             time.sleep(self.delay)
-        super().put_parts(key, parts)
+        return super().put_new_parts(key, parts)
 
 
 def build(width: int, dropout: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,10 @@ Version = NewType("Version", str)
 """An opaque token naming one stored version of a blob (an ETag on S3, a content hash locally)."""
 
 _KEY_SEGMENT_RE = re.compile(r"[A-Za-z0-9._%@+=,~-]+\Z")
+
+# The default ``put_new_parts`` holds one of these (by key) across its check and its write, so two
+# threads of one process never both create a key; striped so unrelated keys rarely wait.
+_CREATE_LOCKS = tuple(threading.Lock() for _ in range(256))
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ class BlobStore(ABC):
     - Conditional writes are compare-and-swap on a ``Version``: ``put_conditional(key, data, None)``
       creates only if absent, otherwise only if the current version equals ``expected``; a loser
       gets ``cas.errors.PreconditionFailed`` and nothing changes.
+    - ``put_new_parts`` is create-only: of several writers of one key, one gets True and its bytes
+      stay; the others get False and write nothing. Like compare-and-swap, this holds across
+      processes and hosts where ``supports_conditional_writes`` is true, else within one process.
     - Backend failures are translated to ``cas.errors.BackendError`` (``TransientBackendError`` when
       a retry may succeed) with ``raise ... from``.
     """
@@ -113,6 +121,25 @@ class BlobStore(ABC):
         """``put`` of the concatenation of ``parts``; backends may avoid the copy."""
         self.put(key, b"".join(parts))
 
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        """Store the concatenation of ``parts`` only if ``key`` does not exist yet.
+
+        Return True if this call created the blob, False if a blob was there already (it is left
+        as it was). Chunks are written this way: the same chunk may be encoded differently (as a
+        delta against another base) by two writers, and the loser must learn which encoding is
+        stored rather than replace one that a committed manifest may already depend on.
+
+        This default checks ``has`` and then writes with ``put_parts``, holding a per-key lock, so
+        it is atomic between threads of one process only: two processes or hosts can both find
+        the key absent and both write, and the last write wins. Backends that can create
+        atomically override it.
+        """
+        with _CREATE_LOCKS[hash(key) % len(_CREATE_LOCKS)]:
+            if self.has(key):
+                return False
+            self.put_parts(key, parts)
+            return True
+
     def read_into(self, key: str, start: int, out: memoryview) -> int:
         """Read up to ``len(out)`` bytes from ``start`` into ``out``; return the count read.
 
@@ -158,7 +185,7 @@ class BlobStore(ABC):
 
     @property
     def supports_conditional_writes(self) -> bool:
-        """Whether compare-and-swap is safe against other processes and hosts."""
+        """Whether compare-and-swap and create-only puts hold against other processes and hosts."""
         return True
 
     def close(self) -> None:

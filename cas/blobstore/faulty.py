@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 from cas.blobstore.base import BlobInfo, BlobStore, Version
@@ -19,7 +19,9 @@ from cas.errors import TransientBackendError
 
 T = TypeVar("T")
 
-WRITE_METHODS = frozenset({"put", "put_conditional", "delete", "delete_conditional", "touch"})
+WRITE_METHODS = frozenset(
+    {"put", "put_new_parts", "put_conditional", "delete", "delete_conditional", "touch"}
+)
 
 
 class FaultyBlobStore(BlobStore):
@@ -86,6 +88,9 @@ class FaultyBlobStore(BlobStore):
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         self._run("put", lambda: self.inner.put(key, data))
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        return self._run("put_new_parts", lambda: self.inner.put_new_parts(key, parts))
 
     def has(self, key: str) -> bool:
         return self._run("has", lambda: self.inner.has(key))

@@ -14,6 +14,10 @@ Durability is whatever the filesystem gives (the local one does not fsync; use
 fsspec has no compare-and-swap, so ``supports_conditional_writes`` is False. The conditional
 methods still work within one process: they compare a content digest and write while holding one
 process-wide lock. Two processes or hosts can both pass the check and lose an update.
+
+Nor has it a portable create-only write, so ``put_new_parts`` (chunk writes) is the base class's
+``has`` then write under a per-key lock: two threads of one process never both create a chunk, but
+two processes or hosts can, and the last write wins.
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ class LocalBlobStore(BlobStore):
     """Blobs as files below ``root``.
 
     ``put`` writes ``root/tmp/<random>.tmp``, fsyncs it and renames it over the final name, so a
-    crash leaves at most a stray temp file. Directories touched by ``put`` are fsynced by ``sync``;
-    conditional writes hold an ``flock`` on a per-key lock file and fsync at once.
+    crash leaves at most a stray temp file. ``put_new_parts`` writes the temp file the same way and
+    hard-links it to the final name, which fails if the name exists. Directories touched by
+    ``put`` are fsynced by ``sync``; conditional writes hold an ``flock`` on a per-key lock file
+    and fsync at once.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
@@ -137,6 +139,28 @@ class LocalBlobStore(BlobStore):
             raise BackendError(f"writing {path}: {e.strerror}") from e
         with self._dirty_lock:
             self._dirty_dirs.add(path.parent)
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        """Create-only, atomic across processes: ``link`` never replaces an existing name.
+
+        Durable after ``sync``, like ``put``: the temp file is fsynced before it is linked, and
+        the directory holding the new name is fsynced by ``sync``.
+        """
+        path = self._path(key)
+        try:
+            self._ensure_parent(path)
+            tmp = self._write_temp(*parts)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink(missing_ok=True)  # the blob keeps its own name; drop the temp one
+        except OSError as e:
+            raise BackendError(f"writing {path}: {e.strerror}") from e
+        with self._dirty_lock:
+            self._dirty_dirs.add(path.parent)
+        return True
 
     def sync(self) -> None:
         with self._dirty_lock:

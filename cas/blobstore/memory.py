@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from cas.blobstore.base import BlobInfo, BlobStore, Version, check_key
 from cas.errors import NotFound, PreconditionFailed
@@ -42,6 +42,14 @@ class MemoryBlobStore(BlobStore):
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         with self._lock:
             self._store(check_key(key), bytes(data))
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        data = b"".join(parts)
+        with self._lock:
+            if check_key(key) in self._blobs:
+                return False
+            self._store(key, data)
+        return True
 
     def has(self, key: str) -> bool:
         with self._lock:

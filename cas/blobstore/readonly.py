@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from cas.blobstore.base import BlobInfo, BlobStore, Version
@@ -26,6 +26,9 @@ class ReadOnlyBlobStore(BlobStore):
         return self.inner.get_range(key, start, end)
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self._refuse(key)
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         self._refuse(key)
 
     def has(self, key: str) -> bool:

@@ -11,13 +11,19 @@ That reasoning is sound only if no other writer could store the very same bytes,
 written by several writers (refs) carry something unique to the writer, such as its id and a
 timestamp. ``delete_conditional`` likewise treats "already gone" after a transient failure as
 success.
+
+``put_new_parts`` (create-only chunk writes) has the same ambiguity: a retry after an attempt that
+did land finds the key taken and the inner store answers False. So after a transient failure a
+False is checked the same way: if the blob holds exactly the bytes we sent, True is returned. The
+True may then come from another writer that stored the very same bytes first, which for a chunk
+(the same encoding of the same content, hence the same base) is the same outcome.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -84,6 +90,23 @@ class RetryingBlobStore(BlobStore):
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         self._call(lambda: self.inner.put(key, data))
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        """Retry the create-only put; see the module docstring for the ambiguous-failure rule."""
+        failed_transiently = False
+
+        def attempt() -> bool:
+            nonlocal failed_transiently
+            try:
+                created = self.inner.put_new_parts(key, parts)
+            except TransientBackendError:
+                failed_transiently = True
+                raise
+            if created or not failed_transiently:
+                return created
+            return self._version_if_holding(key, b"".join(parts)) is not None
+
+        return self._call(attempt)
 
     def has(self, key: str) -> bool:
         return self._call(lambda: self.inner.has(key))

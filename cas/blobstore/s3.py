@@ -5,9 +5,10 @@ two writes of identical bytes share a version (like ``LocalBlobStore``'s content
 that need A -> B -> A to be visible put a unique token in the payload.
 
 Compare-and-swap uses S3 conditional writes (``If-None-Match: *`` to create, ``If-Match: <etag>``
-to replace, ``If-Match`` on DeleteObject). Servers that silently ignore those headers are detected
-once by a probe, after which ``supports_conditional_writes`` is False and the conditional methods
-fall back to check-then-write under a process-local lock, which is not safe across processes.
+to replace, ``If-Match`` on DeleteObject), and so do create-only chunk puts (``put_new_parts``,
+``If-None-Match: *``). Servers that silently ignore those headers are detected once by a probe,
+after which ``supports_conditional_writes`` is False and the conditional methods fall back to
+check-then-write under a process-local lock, which is not safe across processes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields, replace
 from typing import Any, NoReturn
@@ -358,6 +359,34 @@ class S3BlobStore(BlobStore):
             )
         etag = response.get("ETag")
         return Version(etag) if etag else self._version_after_write(key)
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        """Create-only PutObject with ``If-None-Match: *``; a 412 means the key exists: False.
+
+        Always a single PutObject, whatever the size (S3 takes up to 5 GiB in one; chunks are at
+        most 64 MiB and a header): a multipart upload would need the condition on its completion,
+        which not every server supports. A 409 ConditionalRequestConflict (another write of the
+        key is in flight) is transient: once it lands, a retry gets the 412. Without conditional
+        writes on the server this is the base class's check-then-write, racy across processes.
+        """
+        if not self._capabilities_now().conditional_put:
+            return super().put_new_parts(key, parts)
+        name = self._name(key)
+        body = b"".join(parts)
+        with self._errors("put_new", key):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=name, Body=body, IfNoneMatch="*")
+            except botocore.exceptions.ClientError as e:
+                code = _error_code(e)
+                if code == "ConditionalRequestConflict":
+                    raise TransientBackendError(
+                        f"S3 put_new {self._where(key)} at {self.endpoint_url}: a concurrent "
+                        f"write of the same key is in flight ({code}, retryable)"
+                    ) from e
+                if code in _PRECONDITION_CODES or _http_status(e) == 412:
+                    return False
+                raise
+        return True
 
     def _version_after_write(self, key: str) -> Version:
         version = self._current_version(key)

@@ -7,9 +7,9 @@ A backend's test is a subclass that says how to make a fresh, empty store::
             return LocalBlobStore(self.tmp_path / "store")
 
 ``self.tmp_path`` is pytest's per-test directory and ``self.fixture(name)`` fetches any other
-fixture (for example a per-test S3 URL). The compare-and-swap tests run only where
-``supports_conditional_writes`` is true, unless the subclass sets ``conditional_writes = True``
-for a backend whose compare-and-swap is safe within one process only.
+fixture (for example a per-test S3 URL). The compare-and-swap and racing create-only tests run
+only where ``supports_conditional_writes`` is true, unless the subclass sets
+``conditional_writes = True`` for a backend whose compare-and-swap is safe within one process only.
 """
 
 from __future__ import annotations
@@ -234,6 +234,36 @@ class BlobStoreConformance(abc.ABC):
         assert after > before
         assert store.get("chunks/t") == b"keep me"
 
+    def test_put_new_parts_creates_once_and_keeps_the_first_bytes(self, store: BlobStore) -> None:
+        first = (b"first ", bytearray(b"writer's "), memoryview(b"xx bytes xx")[3:-3])
+        assert store.put_new_parts("chunks/ab/new", first) is True
+        assert store.get("chunks/ab/new") == b"first writer's bytes"
+        assert store.put_new_parts("chunks/ab/new", (b"second",)) is False
+        assert store.get("chunks/ab/new") == b"first writer's bytes"
+        assert store.stat("chunks/ab/new").size == len(b"first writer's bytes")
+        store.put("chunks/ab/old", b"put first")
+        assert store.put_new_parts("chunks/ab/old", (b"created later",)) is False
+        assert store.get("chunks/ab/old") == b"put first"
+        assert set(store.list("chunks/")) == {"chunks/ab/new", "chunks/ab/old"}
+
+    def test_racing_put_new_parts_has_exactly_one_winner(self, store: BlobStore) -> None:
+        self.require_conditional_writes(store)
+        writers, rounds = 8, 4
+        for round_ in range(rounds):
+            key = f"chunks/race/{round_}"
+            start = threading.Barrier(writers)
+
+            def create(writer: int, key: str = key, start: threading.Barrier = start) -> bool:
+                payload = (f"writer {writer} ".encode(), _blob(256 << 10, seed=writer))
+                start.wait()
+                return store.put_new_parts(key, payload)
+
+            with ThreadPoolExecutor(writers) as pool:
+                created = list(pool.map(create, range(writers)))
+            assert created.count(True) == 1, created
+            winner = created.index(True)
+            assert store.get(key) == f"writer {winner} ".encode() + _blob(256 << 10, seed=winner)
+
     def test_create_if_absent_succeeds_once(self, store: BlobStore) -> None:
         self.require_conditional_writes(store)
         version = store.put_conditional("refs/new", b"one", None)
@@ -305,6 +335,7 @@ class BlobStoreConformance(abc.ABC):
             "stat": lambda: store.stat(key),
             "delete": lambda: store.delete(key),
             "put_conditional": lambda: store.put_conditional(key, b"x", None),
+            "put_new_parts": lambda: store.put_new_parts(key, (b"x",)),
         }
         for name, call in calls.items():
             with pytest.raises(InvalidName):
