@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cas.blobstore.base import BlobStore
-from cas.codecs import codec_by_id
+from cas.codecs import codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of
 from cas.errors import BackendError, CASError, FormatError, IntegrityError, NotFound, RefConflict
 from cas.leases import LeaseManager
@@ -94,6 +94,9 @@ class TransferReport:
     bytes_skipped: int = 0
     manifests_moved: int = 0
     manifests_skipped: int = 0
+    chunks_rewritten: int = 0
+    """Chunks the destination held encoded against a base the copied manifests do not record,
+    rewritten standalone so GC (which reads manifests only) can never sweep what they need."""
     wire_bytes: int = 0
     """Stored (encoded) bytes written to the destination, manifests included."""
     lookup: str = "has"
@@ -120,6 +123,7 @@ class TransferReport:
             "bytes_skipped": self.bytes_skipped,
             "manifests_moved": self.manifests_moved,
             "manifests_skipped": self.manifests_skipped,
+            "chunks_rewritten": self.chunks_rewritten,
             "wire_bytes": self.wire_bytes,
             "lookup": self.lookup,
             "seconds": round(self.seconds, 3),
@@ -225,6 +229,7 @@ def _transfer(
 
     copier = _ChunkCopier(src, dst, report, report_progress, codec, _element_sizes(manifests))
     copier.copy_all(missing, jobs)
+    _reconcile_chains(src, dst, [*skipped, *copier.lost], manifests, report, jobs)
     dst.blobs.sync()
 
     present = dst.blobs.has_many([manifest_key(d) for d in manifests])
@@ -360,6 +365,47 @@ def _freshen(dst: StoreSide, skipped: Iterable[Digest], selected: list[_Selected
                 continue  # swept meanwhile: the next run copies it again
 
 
+def _reconcile_chains(
+    src: StoreSide,
+    dst: StoreSide,
+    found: Sequence[Digest],
+    manifests: dict[Digest, tuple[bytes, Manifest]],
+    report: TransferReport,
+    jobs: int,
+) -> None:
+    """Rewrite standalone each chunk ``dst`` already held encoded against a base the copied
+    manifests do not list for it.
+
+    Manifests are copied byte for byte, so their ``encoding["base"]`` lists the source's chains.
+    A chunk the destination stored itself (skipped here, or written by a racing writer first)
+    may be a delta against a base only the destination's own manifests keep alive; once those
+    are gone, GC would sweep that base from under the copied checkpoint. One header read per
+    such chunk finds them; a standalone chunk needs no base.
+    """
+    allowed: dict[Digest, set[Digest]] = {}
+    for _, manifest in manifests.values():
+        for entry in manifest.tensors:
+            bases = set(entry.base_digests())
+            for digest in [*(ref.digest for ref in entry.chunks), *bases]:
+                allowed.setdefault(digest, set()).update(bases)
+
+    def check(digest: Digest) -> bool:
+        try:
+            base = dst.objects.chunk_base(digest)
+        except (NotFound, IntegrityError):
+            base = digest  # gone or damaged since: store a good copy
+        if base is None or base in allowed.get(digest, set()):
+            return False
+        data = src.objects.get_chunk(digest)  # verified
+        dst.objects.put_chunk(data, codec_by_name("zstd"), digest=digest, replace=True)
+        return True
+
+    if not found:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="cas-chains") as pool:
+        report.chunks_rewritten += sum(pool.map(check, sorted(set(found))))
+
+
 class _ChunkCopier:
     """Copies chunk envelopes source -> destination on a thread pool, verifying each one."""
 
@@ -380,6 +426,8 @@ class _ChunkCopier:
         self.elem_sizes = elem_sizes
         self._lock = threading.Lock()
         self._bases: set[Digest] = set()
+        self.lost: list[Digest] = []
+        """Chunks another writer stored at the destination first (its encoding stayed)."""
         self._beat = dst.leases.beat(None)
 
     def copy_all(self, digests: Sequence[Digest], jobs: int) -> None:
@@ -442,8 +490,10 @@ class _ChunkCopier:
         base = codec_by_id(envelope.codec_id).base_of(envelope.params)
         # Create-only: a chunk a writer stored at the destination meanwhile, perhaps as a delta
         # against another base that its manifest records, must not be replaced.
-        self.dst.blobs.put_new_parts(key, (blob,))
+        created = self.dst.blobs.put_new_parts(key, (blob,))
         with self._lock:
+            if not created:
+                self.lost.append(digest)
             if base is not None:
                 self._bases.add(base)
             self.report.chunks_moved += 1
@@ -465,6 +515,8 @@ class _ChunkCopier:
         except NotFound as e:
             raise NotFound(f"chunk {digest} is missing from {self.src.blobs.url}") from e
         with self._lock:
+            if not result.new:
+                self.lost.append(digest)
             self.report.chunks_moved += 1
             self.report.bytes_moved += result.size
             self.report.wire_bytes += result.stored_bytes

@@ -446,3 +446,31 @@ def test_an_s3_archive_stores_deltas_and_keeps_reused_bases(s3_url: str) -> None
     repo.rm("runs/a")
     simulate_gc(repo)
     assert_bit_exact(repo.load("gates/best"), states[1])
+
+
+def test_a_push_onto_a_chunk_the_destination_stored_as_a_delta_keeps_it_decodable(
+    tmp_path: Path,
+) -> None:
+    # The destination already holds states[1]'s chunks as deltas against states[0] (refs a, b);
+    # the source pushes the same bytes stored standalone, whose manifest records no base. The
+    # pushed checkpoint must survive a GC that keeps only it.
+    from cas.transfer import push
+
+    states = training_states(2)
+    dst = delta_repo(tmp_path / "dst")
+    dst.save(states[0], "a")
+    dst.save(states[1], "b", parent="a")
+    assert any(t.base_digests() for t in dst.manifest("b").tensors)
+    src = delta_repo(tmp_path / "src", codec="raw")
+    src.save(states[1], "pushed")
+    assert not any(t.base_digests() for t in src.manifest("pushed").tensors)
+    assert push(src, dst, ["pushed"]).chunks_rewritten > 0
+    assert push(src, dst, ["pushed"]).chunks_rewritten == 0  # now standalone: nothing to fix
+    # A delta store pushed onto a copy of itself records the same chains: nothing is rewritten.
+    mirror = delta_repo(tmp_path / "mirror")
+    assert push(dst, mirror, ["b"]).chunks_moved > 0
+    assert push(dst, mirror, ["b"]).chunks_rewritten == 0
+    dst.rm("a")
+    dst.rm("b")
+    assert simulate_gc(dst) > 0
+    assert_bit_exact(dst.load("pushed"), states[1])
