@@ -299,9 +299,9 @@ class ChunkCache:
             item = self._items.get(digest)
             if item is None:
                 return False
-            first, data = item
-            if inner.start < first or inner.stop > first + len(data):
+            if not _covers(item, inner):
                 return False
+            first, data = item
             self._items.move_to_end(digest)
             dst[:] = data[inner.start - first : inner.stop - first]
             return True
@@ -311,7 +311,7 @@ class ChunkCache:
         they are copied; ``copy_into`` says)."""
         with self._lock:
             item = self._items.get(digest)
-            return item is not None and item[0] <= inner.start and inner.stop <= item[0] + len(item[1])
+            return item is not None and _covers(item, inner)
 
     def contains(self, digest: Digest) -> bool:
         """Whether the whole chunk is cached."""
@@ -349,6 +349,12 @@ class ChunkCache:
         if len(self._spare) < self._spare_max and isinstance(old.obj, bytearray):
             self._spare.append(old.obj)
         old.release()
+
+
+def _covers(item: tuple[int, memoryview], inner: slice) -> bool:
+    """Whether a cache item ``(first, data)`` holds bytes ``inner`` of its chunk."""
+    first, data = item
+    return bool(first <= inner.start and inner.stop <= first + len(data))
 
 
 class ViewReader:
