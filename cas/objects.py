@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore
-from cas.codecs import Codec, EncodeHints, codec_by_id
+from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of, digest_of_parts
 from cas.errors import FormatError, IntegrityError, NotFound
 
@@ -158,15 +158,23 @@ class ObjectStore:
         if replace:
             self.blobs.put_parts(key, (header, payload))
         else:
-            created, stored_base = self._create(key, (header, payload), freshen)
-            if not created:
-                return PutResult(digest, len(view), 0, False, stored_base)
+            outcome = self._create(key, (header, payload), freshen)
+            if outcome is None:
+                # Damaged, or gone again after every lost create: overwrite it, standalone, so
+                # whichever of several repairing writers lands last, no manifest needs its base.
+                if codec.needs_base:
+                    codec = codec_by_name("zstd")
+                    params, payload = codec.encode(view, hints)
+                    header = encode_header(codec, params, len(view))
+                self.blobs.put_parts(key, (header, payload))
+            elif not outcome[0]:
+                return PutResult(digest, len(view), 0, False, outcome[1])
         base = codec.base_of(params) if codec.needs_base else None
         return PutResult(digest, len(view), len(header) + len(payload), True, base)
 
     def _create(
         self, key: str, parts: tuple[bytes, bytes | memoryview], freshen: bool
-    ) -> tuple[bool, Digest | None]:
+    ) -> tuple[bool, Digest | None] | None:
         """Write a new chunk create-only: ``(True, None)`` if this call stored it, else
         ``(False, base)`` with the base of the encoding another writer stored first.
 
@@ -174,8 +182,8 @@ class ObjectStore:
         second write to replace the first, the first writer's manifest would record a base the
         stored chunk no longer needs, and GC, which reads manifests only, could sweep the one it
         does need. So the first write stays and the others record its base instead, refreshing
-        it like any reused chunk. A chunk that is there but unreadable (damaged) is overwritten,
-        as the presence check does; so is one that keeps vanishing right after each lost create.
+        it like any reused chunk. ``None`` says the caller must overwrite: the chunk is there but
+        unreadable (damaged), or it vanished right after each lost create.
         """
         for _ in range(CREATE_ATTEMPTS):
             if self.blobs.put_new_parts(key, parts):
@@ -190,8 +198,7 @@ class ObjectStore:
                 return False, base
             if self.blobs.has(key):
                 break  # damaged: no manifest can depend on how it is encoded
-        self.blobs.put_parts(key, parts)
-        return True, None
+        return None  # the caller overwrites it
 
     def _stored_base(self, key: str) -> tuple[bool, Digest | None]:
         """``(present and readable, base)`` of a stored chunk, from its header only."""

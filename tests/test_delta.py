@@ -277,6 +277,24 @@ def test_a_chunk_whose_stored_header_is_damaged_is_written_again(tmp_path: Path)
     assert objects.get_chunk(digest) == chunk
 
 
+def test_a_damaged_chunk_repaired_by_a_delta_writer_is_stored_standalone(tmp_path: Path) -> None:
+    # Repairs overwrite, so several repairing writers race with last-write-wins: each must store
+    # an encoding that needs no base, whatever base its own manifest would record.
+    objects = delta_repo(tmp_path / "s").objects
+    rng = random.Random(6)
+    base = rng.randbytes(CHUNK)
+    chunk = bytes(b ^ (1 if i % 7 == 0 else 0) for i, b in enumerate(base))
+    base_digest = objects.put_chunk(base, codec_by_name("zstd")).digest
+    digest = objects.put_chunk(chunk, codec_by_name("zstd")).digest
+    objects.blobs.put(chunk_key(digest), b"not a cas object")
+    hints = EncodeHints(elem_size=4, level=1, base=base, base_digest=base_digest)
+    result = objects.put_chunk(chunk, codec_by_name("sub-delta"), hints)
+    assert result.new and result.base is None
+    assert objects.chunk_base(digest) is None
+    objects.blobs.delete(chunk_key(base_digest))
+    assert objects.get_chunk(digest) == chunk
+
+
 def test_a_save_that_loses_a_chunk_race_records_the_stored_base_so_gc_keeps_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
