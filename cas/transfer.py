@@ -492,14 +492,9 @@ class _ChunkCopier:
         # against another base that its manifest records, must not be replaced.
         created = self.dst.blobs.put_new_parts(key, (blob,))
         with self._lock:
-            if not created:
-                self.lost.append(digest)
             if base is not None:
                 self._bases.add(base)
-            self.report.chunks_moved += 1
-            self.report.bytes_moved += len(decoded)
-            self.report.wire_bytes += len(blob)
-        self._done(len(decoded))
+        self._counted(digest, created, len(decoded), len(blob))
 
     def _recode_one(self, digest: Digest) -> None:
         from cas.recode import recode_chunk
@@ -514,16 +509,23 @@ class _ChunkCopier:
             )
         except NotFound as e:
             raise NotFound(f"chunk {digest} is missing from {self.src.blobs.url}") from e
-        with self._lock:
-            if not result.new:
-                self.lost.append(digest)
-            self.report.chunks_moved += 1
-            self.report.bytes_moved += result.size
-            self.report.wire_bytes += result.stored_bytes
-        self._done(result.size)
+        self._counted(digest, result.new, result.size, result.stored_bytes)
 
-    def _done(self, size: int) -> None:
-        self.progress(size, 0)
+    def _counted(self, digest: Digest, created: bool, size: int, stored: int) -> None:
+        """Report one copied chunk: moved, or skipped if another writer stored it first."""
+        with self._lock:
+            if created:
+                self.report.chunks_moved += 1
+                self.report.bytes_moved += size
+                self.report.wire_bytes += stored
+            else:
+                self.lost.append(digest)
+                self.report.chunks_skipped += 1
+                self.report.bytes_skipped += size
+        if created:
+            self.progress(size, 0)
+        else:
+            self.progress(0, size)
         if self._beat is not None:
             self._beat(size)
 
