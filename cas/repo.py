@@ -117,8 +117,8 @@ def _guard_remote(blobs: BlobStore, *, readonly: bool, single_writer: bool) -> B
         raise CASError(
             f"S3 endpoint {blobs.endpoint_url} ignores conditional writes (If-None-Match/"
             f"If-Match), so concurrent writers to {blobs.url} could overwrite each other's "
-            "refs; use a server that enforces them (AWS S3, SeaweedFS, MinIO), or open with "
-            "single_writer=True if only one process ever writes this store"
+            "ref updates and delta chunks; use a server that enforces them (AWS S3, SeaweedFS, "
+            "MinIO), or open with single_writer=True if only one process ever writes this store"
         )
     return RetryingBlobStore(blobs)
 
