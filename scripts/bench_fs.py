@@ -47,32 +47,29 @@ def make_file(path: Path, size_gb: float) -> int:
     return path.stat().st_size
 
 
-def read_local(path: Path, use_readinto: bool) -> int:
+def drain(f: Any, use_readinto: bool) -> int:
+    """Read an open file to its end in BLOCK-sized reads (into one buffer, or as new bytes)."""
     total = 0
-    with open(path, "rb", buffering=0) as f:
-        if use_readinto:
-            buffer = memoryview(bytearray(BLOCK))
-            while n := f.readinto(buffer):
-                total += n
-        else:
-            while block := f.read(BLOCK):
-                total += len(block)
+    if use_readinto:
+        buffer = memoryview(bytearray(BLOCK))
+        while n := f.readinto(buffer):
+            total += n
+    else:
+        while block := f.read(BLOCK):
+            total += len(block)
     return total
+
+
+def read_local(path: Path, use_readinto: bool) -> int:
+    with open(path, "rb", buffering=0) as f:
+        return drain(f, use_readinto)
 
 
 def read_cas(repo: cas.Repository, url: str, use_readinto: bool) -> int:
     """A fresh filesystem each time: its chunk LRU starts empty, every chunk is read and verified."""
     fs = CASFileSystem(repo=repo, skip_instance_cache=True)
-    total = 0
     with fs.open(url, "rb") as f:
-        if use_readinto:
-            buffer = memoryview(bytearray(BLOCK))
-            while n := f.readinto(buffer):
-                total += n
-        else:
-            while block := f.read(BLOCK):
-                total += len(block)
-    return total
+        return drain(f, use_readinto)
 
 
 def hash_only(path: Path, chunk: int) -> float:
