@@ -18,7 +18,8 @@ from cas.errors import (
     RefConflict,
 )
 from cas.manager import CheckpointManager
-from cas.repo import Repository, default_store_url, open
+from cas.opening import default_store_url, open
+from cas.repo import Repository
 
 __version__ = "0.1.0"
 

@@ -58,7 +58,8 @@ from cas.fswrite import (
 )
 from cas.manifest import Manifest, decode_manifest
 from cas.names import parse_ref_name
-from cas.repo import Repository, default_store_url
+from cas.opening import default_store_url
+from cas.repo import Repository
 
 _MANIFEST_CACHE = 32
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -113,13 +114,43 @@ def paired_windows(
         bases.append(timed[False])
         diffs.append(100 * (timed[True] - timed[False]) / timed[False])
     mgr.close()
+    low, high = median_interval(diffs)
     return {
         "overhead_pct": statistics.median(diffs),
         "overhead_pct_p25": statistics.quantiles(diffs, n=4)[0],
         "overhead_pct_p75": statistics.quantiles(diffs, n=4)[2],
+        "overhead_pct_ci95": [low, high],
+        "pairs": pairs,
         "window_ms": 1000 * statistics.median(bases),
         "blocking_ms": 1000 * statistics.median(blocking),
     }
+
+
+def median_interval(values: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval for the median of ``values`` (percentile method, fixed seed)."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds)
+    )
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+
+
+def report(results: dict[str, Any]) -> None:
+    """Print the overheads and the blocking comparison side by side."""
+    print(f"state {results['state_bytes'] / 1e6:.1f} MB, a save every {results['save_every_n_steps']} "
+          f"steps; overhead = median over paired windows [95% bootstrap interval]"
+          f" (target < {results['target_overhead_pct']:.0f}%)")  # fmt: skip
+    for batch in ("batch64", "batch512"):
+        rows = results[batch]
+        cells = [
+            f"{mode} {row['overhead_pct']:5.1f}% [{row['overhead_pct_ci95'][0]:.1f}, "
+            f"{row['overhead_pct_ci95'][1]:.1f}]"
+            for mode, row in rows.items()
+        ]
+        print(f"  {batch:<9} window {rows['async_nice10']['window_ms']:.0f} ms   " + "   ".join(cells))
+    print(f"  one save blocks the loop: cas async {results['async_save_blocking_ms']:.1f} ms "
+          f"(background write {results['async_save_background_write_ms']:.1f} ms), "
+          f"torch.save {results['torch_save_sync_ms']:.1f} ms")  # fmt: skip
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -153,6 +184,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         torch_threads=torch.get_num_threads(), cpus=os.cpu_count(),
         load_average_1m=os.getloadavg()[0],
     )  # fmt: skip
+    report(results)
     return results
 
 
@@ -165,7 +197,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    print(f"wrote {out}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from pathlib import Path
 
 import pytest
 from fsspec.implementations.local import LocalFileSystem
@@ -75,3 +76,13 @@ def test_a_read_only_store_refuses_create_only_puts() -> None:
     with pytest.raises(ReadOnlyError):
         ReadOnlyBlobStore(inner).put_new_parts("chunks/a", (b"x",))
     assert not inner.has("chunks/a")
+
+
+def test_a_read_only_local_store_still_reads_in_place(tmp_path: Path) -> None:
+    inner = LocalBlobStore(tmp_path)
+    inner.put("chunks/a", b"header+payload")
+    store = ReadOnlyBlobStore(inner)
+    assert store.reads_in_place
+    head, rest = memoryview(bytearray(6)), memoryview(bytearray(20))
+    assert store.read_into_parts("chunks/a", 0, [head, rest]) == 14
+    assert bytes(head) + bytes(rest[:8]) == b"header+payload"

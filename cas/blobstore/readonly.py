@@ -25,6 +25,16 @@ class ReadOnlyBlobStore(BlobStore):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.inner.get_range(key, start, end)
 
+    def read_into(self, key: str, start: int, out: memoryview) -> int:
+        return self.inner.read_into(key, start, out)
+
+    def read_into_parts(self, key: str, start: int, outs: Sequence[memoryview]) -> int:
+        return self.inner.read_into_parts(key, start, outs)
+
+    @property
+    def reads_in_place(self) -> bool:
+        return self.inner.reads_in_place
+
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         self._refuse(key)
 
