@@ -58,7 +58,7 @@ class Envelope:
     payload_offset: int
 
 
-def parse_envelope(data: bytes | memoryview, max_decoded_size: int) -> Envelope:
+def parse_envelope(data: bytes | bytearray | memoryview, max_decoded_size: int) -> Envelope:
     """Parse and bound-check an object header."""
     if len(data) < HEADER_SIZE:
         raise FormatError("object shorter than its header")
@@ -220,7 +220,10 @@ class ObjectStore:
         makes the chunk built on it hash wrong, so checking the chunk itself catches it, and a
         chain of depth d costs one hash instead of d + 1.
         """
-        decoded = self._decode(digest, self.blobs.get(chunk_key(digest)), 0)
+        return self._verified(digest, self.blobs.get(chunk_key(digest)))
+
+    def _verified(self, digest: Digest, blob: bytes | bytearray) -> bytes | memoryview:
+        decoded = self._decode(digest, blob, 0)
         if digest_of(decoded) != digest:
             raise IntegrityError(
                 f"chunk {digest} is corrupt: its bytes (or a delta base's) hash to something else"
@@ -228,8 +231,16 @@ class ObjectStore:
         return decoded
 
     def _get_base(self, digest: Digest, depth: int) -> bytes | memoryview:
-        """A delta base's decoded bytes, checked only through the chunk built on it."""
-        return self._decode(digest, self.blobs.get(chunk_key(digest)), depth)
+        """A delta base's decoded bytes, checked only through the chunk built on it.
+
+        A missing base is an IntegrityError: the chunk that names it is there but cannot be
+        rebuilt, whether its header names the wrong base or the base itself was lost.
+        """
+        try:
+            blob = self.blobs.get(chunk_key(digest))
+        except NotFound as e:
+            raise IntegrityError(f"delta base {digest} is missing from the store") from e
+        return self._decode(digest, blob, depth)
 
     def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
         """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes."""
@@ -259,15 +270,16 @@ class ObjectStore:
                         f"chunk {digest} is corrupt: its bytes hash to something else"
                     )
                 return
-        decoded = memoryview(self.get_chunk(digest)).cast("B")
-        if len(decoded) != size:
-            raise IntegrityError(f"chunk {digest} has {len(decoded)} bytes, manifest says {size}")
-        offset = 0
-        for out in outs:
-            out[:] = decoded[offset : offset + len(out)]
-            offset += len(out)
+            if got < HEADER_SIZE + size:
+                # An encoded chunk smaller than its decoded bytes was read whole: decode that copy
+                # rather than reading the file again.
+                blob = _gather([header, *outs], got)
+                decoded = memoryview(self._verified(digest, blob)).cast("B")
+                _scatter(decoded, outs, digest)
+                return
+        _scatter(memoryview(self.get_chunk(digest)).cast("B"), outs, digest)
 
-    def _decode(self, digest: Digest, blob: bytes, depth: int) -> bytes | memoryview:
+    def _decode(self, digest: Digest, blob: bytes | bytearray, depth: int) -> bytes | memoryview:
         if depth > MAX_DELTA_DEPTH:
             raise IntegrityError(f"chunk {digest}: delta chain deeper than {MAX_DELTA_DEPTH}")
         try:
@@ -313,3 +325,25 @@ class ObjectStore:
         if digest_of(decoded) != digest:
             raise IntegrityError(f"manifest {digest} is corrupt: its bytes hash to something else")
         return decoded
+
+
+def _gather(parts: Sequence[memoryview], size: int) -> bytearray:
+    """The first ``size`` bytes of ``parts`` laid end to end, in one new buffer."""
+    blob = bytearray(size)
+    offset = 0
+    for part in parts:
+        n = min(len(part), size - offset)
+        blob[offset : offset + n] = part[:n]
+        offset += n
+    return blob
+
+
+def _scatter(decoded: memoryview, outs: Sequence[memoryview], digest: Digest) -> None:
+    """Copy a chunk's decoded bytes over ``outs``, whose sizes must sum to its size."""
+    size = sum(len(out) for out in outs)
+    if len(decoded) != size:
+        raise IntegrityError(f"chunk {digest} has {len(decoded)} bytes, manifest says {size}")
+    offset = 0
+    for out in outs:
+        out[:] = decoded[offset : offset + len(out)]
+        offset += len(out)
