@@ -159,10 +159,12 @@ class AsyncWriter(Generic[T]):
         """
         if self._closed:
             raise CASError("the async writer is closed")
-        self.check()
         start = time.perf_counter()
         self._slots.acquire()
         try:
+            # After the slot wait: a job that failed while this save waited for it (its failure
+            # is recorded before it frees its slot) is raised here, by this save.
+            self.check()
             prepared = prepare()
         except BaseException:
             self._slots.release()

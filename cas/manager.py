@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -91,6 +92,8 @@ class SaveResult:
     write_seconds: float
     logical_bytes: int
     new_bytes: int
+    retention_error: str | None = None
+    """Why the retention policy did not run after this save (it is committed all the same)."""
 
 
 class PendingSave:
@@ -167,6 +170,7 @@ class CheckpointManager:
         self.run_id = self.run.rsplit("/", 1)[-1]
         self.history = TrainingHistory(repo, layout.history.format(run=self.run))
         self._pending_records: list[Record] = []
+        self._records_lock = threading.Lock()
         self._stager = Stager()
         self._writer: AsyncWriter[SaveResult] | None = None
         self._write_repo = repo
@@ -215,7 +219,8 @@ class CheckpointManager:
 
     def record(self, step: int, **values: Any) -> None:
         """Append a record to the training history (written with the next save or ``close``)."""
-        self._pending_records.append(plain_record(step, values))
+        with self._records_lock:
+            self._pending_records.append(plain_record(step, values))
 
     def step_end(
         self, step: int, state: Any | Callable[[], Any], metrics: Mapping[str, Any] | None = None
@@ -272,8 +277,8 @@ class CheckpointManager:
             if self.capture_rng:
                 tree["rng"] = rng_mod.capture()
             ref = self.checkpoint_ref(step, phase)
-            records = self._pending_records
-            self._pending_records = []
+            with self._records_lock:
+                records, self._pending_records = self._pending_records, []
             records.append(
                 {"step": step, "event": "save", "ref": ref, "trigger": trigger,
                  "status": status, "metrics": plain_metrics}
@@ -325,23 +330,34 @@ class CheckpointManager:
 
     def _write(self, prepared: _Prepared) -> SaveResult:
         start = time.perf_counter()
-        digest = self._write_repo.save(
-            prepared.tree, prepared.ref, prepared.meta, message=prepared.trigger
-        )
-        stats = self._write_repo.last_write
-        self._write_history.append(prepared.records)
+        try:
+            digest = self._write_repo.save(
+                prepared.tree, prepared.ref, prepared.meta, message=prepared.trigger
+            )
+            stats = self._write_repo.last_write
+            self._write_history.append(prepared.records)
+        except BaseException:
+            # The records this save carried (all but its own) go with the next save or close.
+            with self._records_lock:
+                self._pending_records[:0] = prepared.records[:-1]
+            raise
         self._write_repo.refs_store.set(
             self.latest_ref, digest, expected=self._latest_target, op="save", message=prepared.ref
         )
         self._latest_target = digest
         is_best = self._update_best(digest, prepared)
+        retention_error = None
         if self.policy is not None:
             apply = getattr(self.policy, "apply", None)
-            (apply or self.policy)(self.repo)
+            try:
+                (apply or self.policy)(self.repo)
+            except Exception as e:  # e.g. a `cas gc` holds the maintenance lock right now
+                retention_error = f"{type(e).__name__}: {e}"
+                log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
         return SaveResult(
             prepared.step, prepared.phase, prepared.ref, digest, prepared.trigger,
             prepared.status, is_best, prepared.blocking, time.perf_counter() - start,
-            stats.logical_bytes, stats.new_bytes,
+            stats.logical_bytes, stats.new_bytes, retention_error,
         )  # fmt: skip
 
     def _update_best(self, digest: Digest, prepared: _Prepared) -> bool:
@@ -394,9 +410,10 @@ class CheckpointManager:
             self.triggers.uninstall()
             if self._write_repo is not self.repo:
                 self._write_repo.io.close()  # its threads only: the store is shared
-        if self._pending_records:
-            self.history.append(self._pending_records)
-            self._pending_records = []
+            with self._records_lock:
+                records, self._pending_records = self._pending_records, []
+            if records:
+                self.history.append(records)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -512,10 +529,11 @@ class CheckpointManager:
             self.phase = int(found.meta.get("phase", self.phase))
         else:
             rng_mod.seed_all(rng_mod.phase_seed(self.seed, self.phase))
-        self._pending_records.append(
-            {"step": step, "event": mode, "ref": found.ref,
-             "skipped": [s.ref for s in found.skipped]}
-        )  # fmt: skip
+        with self._records_lock:
+            self._pending_records.append(
+                {"step": step, "event": mode, "ref": found.ref,
+                 "skipped": [s.ref for s in found.skipped]}
+            )  # fmt: skip
         return Restored(
             mode, state, step, int(found.meta.get("phase", self.phase)), found.ref, found.digest,
             dict(found.meta.get("metrics", {})), found.meta, found.skipped, warnings,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cas
-from cas.async_save import AsyncSaveError
+from cas.async_save import AsyncSaveError, AsyncWriter
 from cas.blobstore import LocalBlobStore
 from cas.config import StoreConfig
 from cas.errors import NotFound
@@ -153,6 +153,64 @@ def test_a_background_failure_is_raised_at_the_next_save_and_latest_stays(tmp_pa
     mgr.save(3, state_of(model, opt)).result()
     mgr.close()
     assert repo.show("runs/r1/latest")["meta"]["step"] == 3
+
+
+def test_a_failure_during_the_slot_wait_is_raised_by_the_save_that_waited() -> None:
+    writer = AsyncWriter(max_in_flight=1)
+    release = threading.Event()
+
+    def doomed(_: None) -> str:
+        release.wait()
+        raise OSError("disk full")
+
+    writer.submit(lambda: None, doomed)
+    threading.Timer(0.1, release.set).start()  # fails while the next submit waits for the slot
+    written: list[str] = []
+    with pytest.raises(AsyncSaveError, match="disk full"):
+        writer.submit(lambda: None, lambda _: written.append("next") or "next")
+    writer.close()
+    assert written == []
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_records_of_a_failed_save_go_into_the_history_with_the_next_one(
+    tmp_path: Path, async_save: bool
+) -> None:
+    base = cas.open(tmp_path / "store")
+    blobs = FailingChunks(tmp_path / "store")
+    repo = cas.Repository(blobs, base.config)
+    model, opt = make_model()
+    mgr = manager(repo, async_save=async_save)
+    mgr.record(1, loss=0.9)
+    mgr.record(2, loss=0.8)
+    blobs.failing = True
+    with pytest.raises(cas.BackendError):
+        mgr.save(2, state_of(model, opt)).result()
+    blobs.failing = False
+    mgr.record(3, loss=0.7)
+    try:
+        mgr.save(3, state_of(model, opt))
+    except AsyncSaveError:  # the async manager reports the failure once, at the next save
+        mgr.save(3, state_of(model, opt))
+    mgr.close()
+    history = mgr.history.read()
+    assert [r["loss"] for r in history if "loss" in r] == [0.9, 0.8, 0.7]
+    assert [r["step"] for r in history if r.get("event") == "save"] == [3]
+
+
+def test_a_retention_policy_that_cannot_run_does_not_fail_the_committed_save(
+    repo: cas.Repository,
+) -> None:
+    def busy_policy(_: cas.Repository) -> None:
+        raise cas.CASError("the maintenance lock is held")
+
+    model, opt = make_model()
+    mgr = manager(repo, policy=busy_policy)
+    first = mgr.save(1, state_of(model, opt)).result()
+    assert first.retention_error == "CASError: the maintenance lock is held"
+    assert repo.resolve("runs/r1/latest") == first.digest
+    mgr.save(2, state_of(model, opt)).result()  # nothing left over to raise
+    mgr.close()
 
 
 def test_a_failure_nobody_waited_for_is_raised_by_close(tmp_path: Path) -> None:
