@@ -49,6 +49,7 @@ from cas.fsview import (
 )
 from cas.fswrite import (
     CASWriteFile,
+    TextWriteFile,
     edit_files,
     file_location,
     put_record,
@@ -302,6 +303,13 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         self._read_view(view, lo, memoryview(buffer))
         return bytes(buffer)
 
+    def open(self, path: Any, mode: str = "rb", **kwargs: Any) -> Any:
+        """fsspec's ``open``; text-mode writes get a wrapper that discards on an exception."""
+        if "b" in mode or "r" in mode:
+            return super().open(path, mode, **kwargs)
+        text = {k: kwargs.pop(k) for k in ("encoding", "errors", "newline") if k in kwargs}
+        return TextWriteFile(super().open(path, mode.replace("t", "") + "b", **kwargs), **text)
+
     def _open(
         self,
         path: str,
@@ -318,6 +326,8 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if mode in ("wb", "xb"):
             if mode == "xb" and self.exists(path):
                 raise FileExistsError(errno.EEXIST, "file exists", path)
+            if self.isdir(path):
+                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
             ref, _ = file_location(self, path)  # fail now, not at close, if it cannot hold a file
             owner = self._snapshot(ref)
             if owner is not None and owner.manifest.kind != "files":
@@ -375,6 +385,9 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
                     dst = _join(dst, src.rsplit("/", 1)[-1])
                 if src == dst:
                     return
+                ref, _ = self._owner(src)
+                if self._file(src)[2].record is None:  # a view of a saved state: no file to move
+                    raise read_only_state(ref or src)
                 if rename_within_ref(self, src, dst):
                     return
         super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
@@ -410,7 +423,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise FileExistsError(errno.EEXIST, "file exists", path)
         ref, _ = self._owner(path)
         if ref is not None:
-            self._pseudo_dirs.add(path)
+            self._pseudo_dirs.update(self._folders_to(ref, path, create_parents))
             return
         try:
             name = parse_ref_name(path)
@@ -422,6 +435,20 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
             self.invalidate_cache()
             if not self.isdir(path):
                 raise
+
+    def _folders_to(self, ref: str, path: str, create_parents: bool) -> list[str]:
+        """The folders from ``ref`` down to ``path`` that do not exist yet (parents first)."""
+        parts = path[len(ref) + 1 :].split("/")
+        missing = []
+        for i in range(1, len(parts) + 1):
+            folder = _join(ref, "/".join(parts[:i]))
+            if self.isfile(folder):
+                raise NotADirectoryError(errno.ENOTDIR, "a parent of this path is a file", path)
+            if i < len(parts) and not create_parents and not self.isdir(folder):
+                raise FileNotFoundError(errno.ENOENT, "no such directory", folder)
+            if not self.isdir(folder):
+                missing.append(folder)
+        return missing
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """``mkdir`` that tolerates an existing directory when ``exist_ok``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,7 @@ from cas.errors import InvalidName, NotFound, RefConflict
 from cas.fsview import FileRecord, file_records
 from cas.leases import WriterLease
 from cas.manifest import ChunkRef, FileEntry, FileRegion, Manifest, TensorEntry, decode_manifest
-from cas.names import parse_ref_name
+from cas.names import check_relative_path, parse_ref_name
 from cas.streamcut import StreamCutter, StreamRegion
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         self._lease = WriterLease(repo.blobs, repo.clock, settings, "fs-write").acquire() if settings.enabled else None
         self._writer = ChunkWriter(repo, self.stats)
         self._record: FileRecord | None = None
+        self._discarded = False
 
     def _upload_chunk(self, final: bool = False) -> bool:
         if self._lease is not None:
@@ -105,8 +106,10 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
 
     def commit(self) -> None:
         """Add the file to its checkpoint (called on close unless in a transaction)."""
+        if self._discarded:
+            return  # a write that failed inside a transaction: the others still commit
         if self._record is None:
-            raise ValueError("nothing to commit: the file is not closed, or was discarded")
+            raise ValueError("nothing to commit: the file is not closed")
         try:
             if self._lease is not None:
                 self._lease.check()
@@ -117,6 +120,7 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
     def discard(self) -> None:
         """Drop the file; its chunks are unreferenced and left to GC."""
         self._record = None
+        self._discarded = True
         self._release()
 
     def _release(self) -> None:
@@ -189,20 +193,32 @@ def file_location(fs: CASFileSystem, path: str) -> tuple[str, str]:
     """Where a file at ``path`` goes: the owning ref, or a new ref at its parent directory."""
     ref, rel = fs._owner(path)
     if ref is not None and rel:
-        return ref, rel
+        return ref, _file_name(rel, path)
     if ref is not None:
         raise IsADirectoryError(errno.EISDIR, "a ref is a directory", path)
     parts = path.split("/")
     for i in range(len(parts) - 1, 0, -1):
         try:
-            return parse_ref_name("/".join(parts[:i])), "/".join(parts[i:])
+            ref = parse_ref_name("/".join(parts[:i]))
         except InvalidName:
             continue
+        return ref, _file_name("/".join(parts[i:]), path)
     raise PermissionError(
         errno.EACCES,
         "a file needs a checkpoint directory: write cas://<ref>/<file> with a valid ref name",
         path,
     )
+
+
+def _file_name(rel: str, path: str) -> str:
+    """``rel`` if a manifest may hold it as a file path, else an OSError (EINVAL)."""
+    try:
+        return check_relative_path(rel)
+    except InvalidName:
+        raise OSError(
+            errno.EINVAL, "not a valid file path inside a checkpoint (empty, '.' or '..' "
+            "components, backslashes and control characters are refused)", path,
+        ) from None
 
 
 def edit_files(
@@ -246,6 +262,7 @@ def put_record(fs: CASFileSystem, path: str, record: FileRecord, *, exclusive: b
         def add(files: dict[str, FileRecord], rel: str = rel) -> dict[str, FileRecord]:
             if exclusive and rel in files:
                 raise FileExistsError(errno.EEXIST, "file exists", path)
+            check_file_fits(files, rel, path)
             files[rel] = record
             return files
 
@@ -255,6 +272,16 @@ def put_record(fs: CASFileSystem, path: str, record: FileRecord, *, exclusive: b
         except FileNotFoundError:
             fs.invalidate_cache()  # the ref vanished between lookup and edit
     raise RefConflict(f"could not place {path!r}: its checkpoint kept changing")
+
+
+def check_file_fits(files: Mapping[str, object], rel: str, path: str) -> None:
+    """Refuse a file at ``rel`` over a directory of ``files`` or below one of its files."""
+    if any(name.startswith(rel + "/") for name in files):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        if "/".join(parts[:i]) in files:
+            raise NotADirectoryError(errno.ENOTDIR, "a parent of this path is a file", path)
 
 
 def rename_within_ref(fs: CASFileSystem, src: str, dst: str) -> bool:
@@ -311,3 +338,14 @@ def remove(fs: CASFileSystem, path: Any, recursive: bool, maxdepth: int | None) 
             fs._drop_if_empty(d)
     fs._pseudo_dirs = {p for p in fs._pseudo_dirs if not any(_is_under(p, d) for d in dirs)}
     fs.invalidate_cache()
+
+
+class TextWriteFile(io.TextIOWrapper):
+    """Text-mode writing (``fs.open(path, "w")``): like the binary file, a ``with`` block that
+    raises discards the file instead of committing what was written so far."""
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None and isinstance(self.buffer, CASWriteFile):
+            self.buffer.__exit__(exc_type, *rest)
+            return
+        super().__exit__(exc_type, *rest)

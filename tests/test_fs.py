@@ -368,6 +368,72 @@ def test_a_write_that_fails_half_way_never_becomes_visible(repo: cas.Repository,
     assert list(repo.blobs.list("leases/")) == []  # the writer's lease was released
 
 
+def test_a_text_mode_write_that_fails_is_discarded_too(fs: CASFileSystem) -> None:
+    fs.pipe("ckpts/t1/notes.txt", b"old")
+    with pytest.raises(RuntimeError), fs.open("ckpts/t1/notes.txt", "w") as f:
+        f.write("new, half written")
+        raise RuntimeError("training crashed")
+    assert fs.cat_file("ckpts/t1/notes.txt") == b"old"
+    with fs.open("ckpts/t1/notes.txt", "w", encoding="utf-8") as f:
+        f.write("fresh ✓")
+    assert fs.cat_file("ckpts/t1/notes.txt") == "fresh ✓".encode()
+
+
+def test_a_failed_write_inside_a_transaction_leaves_the_others_to_commit(fs: CASFileSystem) -> None:
+    with fs.transaction:
+        fs.pipe("ckpts/tx/good.bin", b"good")
+        with pytest.raises(RuntimeError), fs.open("ckpts/tx/bad.bin", "wb") as f:
+            f.write(b"partial")
+            raise RuntimeError("one writer failed")
+    assert fs.ls("ckpts/tx", detail=False) == ["ckpts/tx/good.bin"]
+
+
+@pytest.mark.parametrize("name", ["a//b", "./a", "a/../b", "a/..", "a\\b", "tab\there"])
+def test_a_file_path_a_manifest_cannot_hold_is_refused_and_the_checkpoint_stays_readable(
+    fs: CASFileSystem, name: str
+) -> None:
+    fs.pipe("ckpts/p1/good.bin", b"good")
+    with pytest.raises(OSError, match="not a valid file path"):
+        fs.pipe(f"ckpts/p1/{name}", b"x")
+    assert fs.ls("ckpts/p1", detail=False) == ["ckpts/p1/good.bin"]
+
+
+def test_a_file_cannot_replace_a_directory_or_sit_below_a_file(fs: CASFileSystem) -> None:
+    fs.pipe("ckpts/d1/sub/x", b"inner")
+    fs.pipe("ckpts/d1/file", b"outer")
+    fs.pipe("runs/r1/x/f", b"ref below a prefix directory")
+    with pytest.raises(IsADirectoryError):
+        fs.pipe("ckpts/d1/sub", b"clobber")
+    with pytest.raises(NotADirectoryError):
+        fs.pipe("ckpts/d1/file/y", b"below a file")
+    with pytest.raises(IsADirectoryError):
+        fs.pipe("runs/r1", b"over a prefix of ref names")
+    assert fs.find("ckpts/d1") == ["ckpts/d1/file", "ckpts/d1/sub/x"]
+    assert fs.find("runs") == ["runs/r1/x/f"]
+
+
+def test_makedirs_inside_a_checkpoint_creates_every_level(fs: CASFileSystem) -> None:
+    fs.mkdir("ckpts/m1")
+    fs.makedirs("ckpts/m1/sub/deeper", exist_ok=True)
+    assert fs.isdir("ckpts/m1/sub") and fs.isdir("ckpts/m1/sub/deeper")
+    assert fs.ls("ckpts/m1", detail=False) == ["ckpts/m1/sub"]
+    fs.pipe("ckpts/m1/file", b"x")
+    with pytest.raises(NotADirectoryError):
+        fs.makedirs("ckpts/m1/file/below")
+    with pytest.raises(FileNotFoundError):
+        fs.mkdir("ckpts/m1/none/leaf", create_parents=False)
+
+
+def test_moving_a_file_of_a_saved_state_is_refused_before_anything_is_copied(
+    repo: cas.Repository, fs: CASFileSystem
+) -> None:
+    repo.save({"model": {"w": torch.ones(4)}}, "st/s1")
+    with pytest.raises(PermissionError):
+        fs.mv("st/s1/model.safetensors", "dst/d1/model.safetensors")
+    assert not fs.exists("dst/d1")
+    assert fs.exists("st/s1/model.safetensors")
+
+
 def test_rename_within_a_checkpoint_is_one_ref_update_and_copies_write_no_chunk(
     repo: cas.Repository, fs: CASFileSystem
 ) -> None:
