@@ -83,10 +83,16 @@ class ChainIndex:
                     chain = entry_chain(entry)
                 except FormatError:
                     continue  # unknown chunks are followed through their headers instead
+                # A chunk listed by several entries needs at most what their bounds say together
+                # (after a push, the entry that lists its base need not be the first one).
                 for ref in entry.chunks:
-                    self._known.setdefault(ref.digest, chain)
+                    self._bound(ref.digest, chain)
                 for base in chain.bases:
-                    self._known.setdefault(base, Chain(max(chain.depth - 1, 0), chain.bases))
+                    self._bound(base, Chain(max(chain.depth - 1, 0), chain.bases))
+
+    def _bound(self, digest: Digest, chain: Chain) -> None:
+        known = self._known.get(digest)
+        self._known[digest] = chain if known is None else known.merge(chain)
 
     def learn(self, digest: Digest, chain: Chain) -> None:
         """Record a chunk this write stored or verified."""

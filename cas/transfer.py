@@ -225,7 +225,7 @@ def _transfer(
     report.chunks_skipped = len(skipped)
     report.bytes_skipped = sum(wanted[d] for d in skipped)
     report_progress(0, report.bytes_skipped)
-    _freshen(dst, skipped, selected, jobs)
+    _freshen(dst, skipped, jobs)
 
     copier = _ChunkCopier(src, dst, report, report_progress, codec, _element_sizes(manifests))
     copier.copy_all(missing, jobs)
@@ -346,23 +346,20 @@ def _list_set(blobs: BlobStore) -> Callable[[str], set[str]]:
     return lambda prefix: set(blobs.list(prefix))
 
 
-def _freshen(dst: StoreSide, skipped: Iterable[Digest], selected: list[_Selected], jobs: int) -> None:
-    """Touch skipped chunks that no destination manifest we know of keeps alive (GC grace)."""
-    kept: set[Digest] = set()
-    for old in {item.remote_old for item in selected if item.remote_old is not None}:
-        try:
-            kept |= decode_manifest(dst.objects.get_manifest(old)).chunk_digests()
-        except (NotFound, FormatError, IntegrityError):
-            continue  # a broken destination manifest keeps nothing alive
-    stale = [chunk_key(d) for d in skipped if d not in kept]
-    if not stale:
+def _freshen(dst: StoreSide, skipped: Iterable[Digest], jobs: int) -> None:
+    """Touch every skipped chunk so GC's age check spares it while the refs move.
+
+    A chunk a destination manifest keeps alive today is no exception: the ref naming that
+    manifest may move meanwhile, and the refs this transfer moves would then name a swept chunk.
+    A chunk swept before its touch is stored again by ``_reconcile_chains``.
+    """
+    keys = [chunk_key(d) for d in skipped]
+    if not keys:
         return
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="cas-touch") as pool:
-        for future in [pool.submit(dst.blobs.touch, key) for key in stale]:
-            try:
+        for future in [pool.submit(dst.blobs.touch, key) for key in keys]:
+            with contextlib.suppress(NotFound):
                 future.result()
-            except NotFound:
-                continue  # swept meanwhile: the next run copies it again
 
 
 def _reconcile_chains(
@@ -392,10 +389,10 @@ def _reconcile_chains(
     def check(digest: Digest) -> bool:
         try:
             base = dst.objects.chunk_base(digest)
+            if base is None or base in allowed.get(digest, set()):
+                return False
         except (NotFound, IntegrityError):
-            base = digest  # gone or damaged since: store a good copy
-        if base is None or base in allowed.get(digest, set()):
-            return False
+            pass  # swept or damaged since it was found: store a good copy
         data = src.objects.get_chunk(digest)  # verified
         dst.objects.put_chunk(data, codec_by_name("zstd"), digest=digest, replace=True)
         return True

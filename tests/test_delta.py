@@ -492,3 +492,68 @@ def test_a_push_onto_a_chunk_the_destination_stored_as_a_delta_keeps_it_decodabl
     dst.rm("b")
     assert simulate_gc(dst) > 0
     assert_bit_exact(dst.load("pushed"), states[1])
+
+
+def _noise(seed: int, n: int = CHUNK // 4) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def _nudged(t: torch.Tensor, at: int) -> torch.Tensor:
+    out = t.clone()
+    out[at] += 1.0
+    return out
+
+
+def test_a_save_after_a_push_records_the_base_any_entry_lists_for_a_chunk(tmp_path: Path) -> None:
+    # After the push, chunk X sits in the pushed manifest twice: standalone in t0, and in t1 next
+    # to Y, a delta whose chain lists B. The destination stores X against B, which the push
+    # accepts because t1 lists B. A save against that manifest must learn X's chain from both
+    # entries, or its delta against X records no B and GC sweeps B.
+    from cas.transfer import push
+
+    x, b, other = _noise(1), _noise(2), _noise(3)
+    src = delta_repo(tmp_path / "src", codec="xor-delta")
+    src.save({"t0": x, "t1": torch.cat([other, b])}, "s1")
+    src.save({"t0": x, "t1": torch.cat([x, _nudged(b, 7)])}, "m", parent="s1")
+    dst = delta_repo(tmp_path / "dst", codec="xor-delta")
+    dst.save({"u": b}, "d1")
+    dst.save({"u": x}, "d2", parent="d1")  # X stored at the destination against B
+    assert push(src, dst, ["m"]).chunks_rewritten == 0
+    later = _nudged(x, 11)
+    dst.save({"t0": later}, "d3", parent="m")
+    for ref in ("d1", "d2", "m"):
+        dst.rm(ref)
+    simulate_gc(dst)
+    assert torch.equal(dst.load("d3")["t0"], later)
+
+
+def test_a_skipped_chunk_swept_during_a_push_is_stored_again_before_the_ref_moves(
+    tmp_path: Path,
+) -> None:
+    from cas.digest import digest_of
+    from cas.transfer import push
+
+    first = _noise(4)
+    second = _nudged(first, 5)
+    third = _nudged(second, 9)
+    src = delta_repo(tmp_path / "src", codec="xor-delta")
+    src.save({"t": first}, "s1")
+    src.save({"t": second}, "s2", parent="s1")
+    src.save({"t": third}, "s3", parent="s2")
+    dst = delta_repo(tmp_path / "dst", codec="xor-delta")
+    dst.save({"u": first}, "old1")
+    dst.save({"u": second}, "old2", parent="old1")
+    dst.rm("old1")
+    dst.rm("old2")  # the destination holds the bases, unreferenced: GC candidates
+    base = digest_of(first.numpy().tobytes())
+
+    swept: list[str] = []
+
+    def concurrent_sweep(moved: int, skipped: int) -> None:  # first call: after the lookup
+        if not swept:
+            swept.append(base)
+            dst.blobs.delete(chunk_key(base))
+
+    report = push(src, dst, ["s3"], progress=concurrent_sweep)
+    assert report.chunks_rewritten == 1
+    assert torch.equal(dst.load("s3")["t"], third)
