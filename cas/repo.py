@@ -42,7 +42,7 @@ from cas.manifest import (
     encode_manifest,
 )
 from cas.names import RefName, parse_ref_name
-from cas.objects import HEADER_SIZE, ObjectStore, chunk_key
+from cas.objects import HEADER_SIZE, ObjectStore, chunk_key, manifest_key
 from cas.refs import RefEvent, RefRecord, RefStore
 from cas.state import TensorSource, decode_state, encode_state, iter_tensor_paths, tensor_from_bytes
 
@@ -567,16 +567,23 @@ class Repository:
         """The ref's history, newest first."""
         return list(reversed(self.refs_store.get(ref).history))
 
+    @leased
     def cp(
         self, src: str, dst: str, *, only: str | Sequence[str] | None = None, message: str = ""
     ) -> Digest:
-        """Point ``dst`` at what ``src`` names (writes no chunk); ``only`` keeps matching entries."""
+        """Point ``dst`` at what ``src`` names (writes no chunk); ``only`` keeps matching entries.
+
+        The source's manifest and chunks are touched under a writer lease first: ``src`` may be
+        a history entry or a digest GC found unreachable, or a ref deleted meanwhile, and a GC
+        sweeping now must spare what ``dst`` is about to name.
+        """
         parse_ref_name(dst)
         digest = self.resolve(src)
+        manifest = decode_manifest(self.objects.get_manifest(digest))
+        self._touch_all([manifest_key(digest), *map(chunk_key, manifest.chunk_digests())])
         if only:
             from cas.subset import subset_manifest
 
-            manifest = decode_manifest(self.objects.get_manifest(digest))
             patterns = [only] if isinstance(only, str) else list(only)
             sub = subset_manifest(manifest, patterns, parent=digest, created_at=self.clock())
             return self.commit(
@@ -584,6 +591,15 @@ class Repository:
             )
         self.refs_store.set(dst, digest, op="cp", message=message or f"cp {src}")
         return digest
+
+    def _touch_all(self, keys: Sequence[str]) -> None:
+        def touch(key: str) -> None:
+            try:
+                self.blobs.touch(key)
+            except NotFound as e:
+                raise NotFound(f"{key} is missing from the store: the source is damaged") from e
+
+        wait_all([self.io.pool.submit(touch, key) for key in keys])
 
     def rm(self, ref: str) -> Digest:
         """Delete a ref (its chunks stay until GC finds them unreachable); return its target."""

@@ -184,6 +184,23 @@ def test_chunk_reused_after_planning_is_put_back(tmp_path: Path) -> None:
     assert not any((tmp_path / TRASH_DIR).iterdir())
 
 
+@pytest.mark.parametrize("only", [None, "t1"])
+def test_a_copy_of_an_old_history_entry_made_after_planning_survives_the_sweep(
+    tmp_path: Path, only: str | None
+) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(state(1, 2), "runs/r1/a")
+    repo.save(state(3), "runs/r1/a")
+    age_files(tmp_path, 7200)
+    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=0))
+    assert chunks_of(1, 2) <= set(plan.chunks) and plan.manifests
+    repo.cp("runs/r1/a~1", "gates/restored", only=only)  # between planning and the sweep
+    plan.execute()
+    assert verify(repo, level="full").ok
+    expected = state(1, 2) if only is None else {"t1": state(1, 2)["t1"]}
+    assert_bit_exact(repo.load("gates/restored"), expected)
+
+
 def test_objects_left_in_the_trash_by_a_killed_gc_are_put_back(tmp_path: Path) -> None:
     repo = local_repo(tmp_path)
     repo.save(state(1), "keep")
