@@ -134,3 +134,26 @@ def test_archive_of_a_checkpoint_another_local_ref_names_frees_nothing(tmp_path:
     assert report.removed_refs == ["runs/r1/ckpt_step00000100"]
     assert report.freed_chunks == 0 and chunk_files(local) == before
     assert_bit_exact(local.load("gates/best"), model_state(5))
+
+
+def test_a_reused_chunk_reports_the_base_the_remote_copy_needs_not_the_cached_one() -> None:
+    # This machine cached X standalone; the remote's GC swept X and another machine stored it
+    # again as a delta against B. Reusing X through the cache must record B.
+    import numpy as np
+
+    from cas.codecs import EncodeHints, codec_by_name
+    from cas.objects import ObjectStore
+
+    remote, local = MemoryBlobStore(), MemoryBlobStore()
+    through_cache, elsewhere = ObjectStore(CachingBlobStore(local, remote)), ObjectStore(remote)
+    b = np.random.default_rng(0).standard_normal(4096).astype(np.float32).tobytes()
+    x = bytearray(b)
+    x[100] ^= 1
+    dx, db = digest_of(bytes(x)), digest_of(b)
+    through_cache.put_chunk(bytes(x), codec_by_name("zstd"))
+    remote.delete(chunk_key(dx))
+    elsewhere.put_chunk(b, codec_by_name("zstd"))
+    hints = EncodeHints(elem_size=4, base=b, base_digest=db)
+    elsewhere.put_chunk(bytes(x), codec_by_name("xor-delta"), hints)
+    reused = through_cache.put_chunk(bytes(x), codec_by_name("zstd"))
+    assert not reused.new and reused.base == db
