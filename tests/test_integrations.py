@@ -6,6 +6,7 @@ import concurrent.futures
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,41 @@ def test_hf_trainer_checkpoints_land_in_the_store_byte_identical(
     assert names == sorted(p.name for p in restored.iterdir())
     for name in names:
         assert (original / name).read_bytes() == (restored / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("strategy", ["epoch", "best"])
+def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    # With save_total_limit=1 the Trainer deletes checkpoint-N once it has written the next one;
+    # a slow ingest of checkpoint-N must be finished by then, whatever decides to save.
+    model = tiny_bert()
+    from transformers import Trainer, TrainingArguments
+
+    from cas.integrations.hf import CASCallback
+
+    repo = cas.open(tmp_path / "store")
+    put_path = repo.put_path
+
+    def slow_put_path(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)  # a large model's ingest
+        return put_path(*args, **kwargs)
+
+    monkeypatch.setattr(repo, "put_path", slow_put_path)
+    callback = CASCallback(repo, "runs/bert", async_ingest=True)
+    extra: dict[str, Any] = {}
+    if strategy == "best":
+        extra = {"eval_strategy": "epoch", "metric_for_best_model": "loss", "greater_is_better": False}
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), num_train_epochs=3, save_strategy=strategy,
+        save_total_limit=1, per_device_train_batch_size=8, report_to=[], use_cpu=True,
+        disable_tqdm=True, logging_steps=100, **extra,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
+                      callbacks=[callback])  # fmt: skip
+    trainer.train()
+    stored = [r.name for r in repo.refs("runs/bert") if "ckpt_" in r.name]
+    assert len(stored) >= 2 and len(stored) == len(callback.stored)
 
 
 # -- Lightning ------------------------------------------------------------------------------------

@@ -83,6 +83,26 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         if control.should_save:
             self.wait()
 
+    def on_epoch_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """``save_strategy="epoch"`` decides to save here: finish the previous ingest first."""
+        self.wait()
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """``save_strategy="best"`` decides after evaluating, with no callback in between."""
+        self.wait()
+
     def on_train_end(
         self,
         args: TrainingArguments,
