@@ -18,7 +18,6 @@ evicted and never re-rated. ``sample(count, seed)`` is a pure function of the se
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -293,24 +292,45 @@ class OpponentPool:
         """Remove the oldest non-anchor models beyond ``capacity``; return what was removed."""
         members = self.entries(include_anchors=False)
         excess = members[: max(0, len(members) - self.capacity)]
+        removed = []
         for entry in excess:
+            removed.append(self._evict_one(entry))
+        return removed
+
+    def _evict_one(self, entry: PoolEntry) -> PoolEntry:
+        """Log ``entry`` and delete its ref; re-read and log again if it was re-rated meanwhile."""
+        for _ in range(CAS_RETRIES):
             self._log_eviction(entry)
-            # Another process may have evicted or re-rated it first; the log has it once.
-            with contextlib.suppress(NotFound, RefConflict):
+            try:
                 self.repo.refs_store.delete(entry.ref, expected=entry.digest)
-        return excess
+                return entry
+            except NotFound:
+                return entry  # another process evicted it; the log has it once
+            except RefConflict:
+                record = self.repo.refs_store.try_get(entry.ref)
+                if record is None:
+                    return entry
+                meta = self._manifest(record.target).meta.get("pool")
+                if not isinstance(meta, Mapping):
+                    raise FormatError(f"{entry.ref} has no pool metadata") from None
+                entry = _entry_from(entry.ref, record.target, meta)  # its latest rating
+        raise RefConflict(f"{entry.ref}: too many concurrent updates while evicting it")
 
     def _log_eviction(self, entry: PoolEntry) -> None:
         for _ in range(CAS_RETRIES):
             record = self.repo.refs_store.try_get(self.eviction_log_ref)
             log = self.evictions()
-            if any(int(item["version"]) == entry.version for item in log):
+            same = [i for i, item in enumerate(log) if int(item["version"]) == entry.version]
+            if same and log[same[0]].get("digest") == entry.digest:
                 return
-            item = {**entry.meta(), "ref": entry.ref, "evicted_at": self.clock()}
+            # Logged before a re-rate moved it: the log keeps its last metadata, in its place.
+            item = {**entry.meta(), "ref": entry.ref, "digest": entry.digest,
+                    "evicted_at": self.clock()}  # fmt: skip
+            log = [*log[: same[0]], item, *log[same[0] + 1 :]] if same else [*log, item]
             manifest = Manifest(
                 kind="state", tensors=(), tree=None, created_at=self.clock(),
                 parent=record.target if record else None,
-                meta={"cas_pool_evictions": 1, "log": [*log, item]},
+                meta={"cas_pool_evictions": 1, "log": log},
             )  # fmt: skip
             try:
                 self.repo.commit(

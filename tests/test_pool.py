@@ -110,6 +110,28 @@ def test_eviction_log_keeps_the_rating_history_of_evicted_models(repo: cas.Repos
         pool.load(first.version)
 
 
+def test_an_eviction_racing_a_rerate_removes_the_model_and_logs_its_last_rating(
+    repo: cas.Repository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = OpponentPool(repo, "league", capacity=1)
+    rater = OpponentPool(repo, "league", capacity=1)  # another process
+    pool.promote({"w": torch.zeros(4)}, {"mu": 25.0})
+    log_eviction = pool._log_eviction
+    raced: list[int] = []
+
+    def log_then_rerate(entry: object) -> None:
+        log_eviction(entry)  # type: ignore[arg-type]
+        if not raced:  # the rater writes once, between the log and the ref delete
+            raced.append(1)
+            rater.update(1, mu=31.0, games=10)
+
+    monkeypatch.setattr(pool, "_log_eviction", log_then_rerate)
+    pool.promote({"w": torch.ones(4)}, {"mu": 25.0})  # evicts v1
+    assert raced and [e.version for e in pool.entries()] == [2]
+    (logged,) = pool.evictions()
+    assert (logged["version"], logged["mu"], logged["games"]) == (1, 31.0, 10)
+
+
 def test_promoting_from_a_checkpoint_ref_copies_only_the_model_and_writes_no_chunk(
     repo: cas.Repository,
 ) -> None:
