@@ -148,20 +148,31 @@ def _state_views(manifest: Manifest, digest: Digest) -> dict[str, FileView]:
     views: dict[str, FileView] = {}
     placed: list[_Placed] = []
     skipped: list[str] = []
+    stems: set[str] = set()
     for stem, prefix, node in _groups(manifest.tree):
+        paths = [
+            (f"{prefix}.{sub}" if prefix and sub else prefix or sub, sub or prefix or "tensor", i)
+            for sub, i in iter_tensor_paths(node)
+        ]
+        if stem in stems:  # keys 1 and "1" name the same files: the first one shows
+            skipped.extend(full for full, _, _ in paths)
+            continue
+        stems.add(stem)
         file_name = stem + ".safetensors"
         pt_view = torch_view(node, manifest.tensors, digest)
         if pt_view is not None:
             views[stem + ".pt"] = pt_view
         members: list[tuple[str, TensorEntry]] = []
-        for sub, index in iter_tensor_paths(node):
-            full = f"{prefix}.{sub}" if prefix and sub else prefix or sub
+        names = {"__metadata__"}  # the header's own key
+        for full, name, index in paths:
             tensor = manifest.tensors[index]
-            if safetensors_dtype(tensor) is None:
+            # A dtype safetensors lacks, or a name already taken ({"a.b": x, "a": {"b": y}}).
+            if safetensors_dtype(tensor) is None or name in names:
                 skipped.append(full)
                 continue
-            members.append((sub or prefix or "tensor", tensor))
-            placed.append(_Placed(file_name, sub or prefix or "tensor", full, tensor))
+            names.add(name)
+            members.append((name, tensor))
+            placed.append(_Placed(file_name, name, full, tensor))
         if members:
             views[file_name] = _safetensors_view(members, digest)
     document = _manifest_document(manifest, digest, placed, skipped)

@@ -359,6 +359,26 @@ def test_paths_map_to_refs_and_files(repo: cas.Repository, fs: CASFileSystem) ->
     assert repo.refs("exp") == [] and not fs.exists("exp")
 
 
+def test_tensor_names_that_collide_in_a_synthesized_file_are_listed_not_shown_twice(
+    repo: cas.Repository, fs: CASFileSystem
+) -> None:
+    import json
+
+    one, two, three = torch.ones(4), torch.full((4,), 2.0), torch.full((4,), 3.0)
+    repo.save({"model": {"a.b": one, "a": {"b": two}, "__metadata__": three}}, "st/names")
+    shown = load_safetensors(fs.cat_file("st/names/model.safetensors"))
+    assert list(shown) == ["a.b"] and torch.equal(shown["a.b"], one)
+    document = json.loads(fs.cat_file("st/names/manifest.json"))
+    assert sorted(document["not_in_safetensors"]) == ["model.__metadata__", "model.a.b"]
+    repo.save({1: {"w": one}, "1": {"w": two}}, "st/keys")
+    fs.invalidate_cache()
+    assert fs.ls("st/keys", detail=False) == [
+        "st/keys/1.pt", "st/keys/1.safetensors", "st/keys/manifest.json"
+    ]  # fmt: skip
+    document = json.loads(fs.cat_file("st/keys/manifest.json"))
+    assert len(document["not_in_safetensors"]) == 1
+
+
 def test_a_write_that_fails_half_way_never_becomes_visible(repo: cas.Repository, fs: CASFileSystem) -> None:
     fs.pipe("ckpts/c3/keep.bin", b"old")
     with pytest.raises(RuntimeError), fs.open("ckpts/c3/keep.bin", "wb") as f:
