@@ -249,8 +249,10 @@ class CheckpointManager:
     def finish(
         self, step: int, state: Any | Callable[[], Any], metrics: Mapping[str, Any] | None = None
     ) -> SaveResult:
-        """The final save of a completed run; waits for it."""
-        return self.save(step, state, metrics, trigger="final", status="completed").result()
+        """The final save of a completed run; waits for it. Signals act as before the manager."""
+        result = self.save(step, state, metrics, trigger="final", status="completed").result()
+        self.triggers.uninstall()
+        return result
 
     def save(
         self,

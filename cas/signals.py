@@ -6,11 +6,16 @@ half-applied optimizer update. The flags are plain attributes, not ``threading.E
 runs in the main thread between bytecodes, and ``Event.set`` takes a lock that the interrupted
 code may already hold. A second SIGINT while a stop is pending raises ``KeyboardInterrupt`` as
 usual, so a user can still break out of a loop that never reaches a step boundary.
+
+Handlers can only be changed from the main thread. A manager closed from another thread detaches
+its handlers instead: from then on they pass each signal to the handler that was there before
+(or the default action), so a process whose checkpoint manager is gone never ignores SIGTERM.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -37,6 +42,7 @@ class SignalTriggers:
         self.stop_signal: int | None = None
         self.save_requests = 0
         self._previous: dict[int, _Handler] = {}
+        self._detached = False
 
     @property
     def installed(self) -> bool:
@@ -59,18 +65,35 @@ class SignalTriggers:
     def uninstall(self) -> None:
         """Put back the handlers that were there before ``install``."""
         if threading.current_thread() is not threading.main_thread():
+            self._detached = True  # the handlers pass signals on from now (module docstring)
             return
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
+    def _pass_on(self, signum: int, frame: FrameType | None) -> bool:
+        """Once detached: do what the previous handler would have done. False while attached."""
+        if not self._detached:
+            return False
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)  # a handler runs on the main thread
+            os.kill(os.getpid(), signum)
+        return True
+
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        if self._pass_on(signum, frame):
+            return
         if self.stop_requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.stop_requested = True
         self.stop_signal = signum
 
     def _on_save(self, signum: int, frame: FrameType | None) -> None:
+        if self._pass_on(signum, frame):
+            return
         self.save_requests += 1
 
     def take_save_request(self) -> bool:

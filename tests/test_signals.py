@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,35 @@ def test_corrupted_latest_falls_back_to_the_previous_checkpoint_and_says_so(
     assert "skipped runs/flaky/phase1/ckpt_phase1_step00000010" in resumed.lines
     assert "resumed 5 from runs/flaky/phase1/ckpt_phase1_step00000005" in resumed.lines
     assert "failed verification" in resumed.err
+
+
+def test_handlers_detached_off_the_main_thread_pass_signals_on(tmp_path: Path) -> None:
+    from cas.signals import SignalTriggers
+
+    seen: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in
+              (signal.SIGTERM, signal.SIGUSR1)}  # fmt: skip
+    try:
+        triggers = SignalTriggers()
+        assert triggers.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert triggers.take_save_request() and seen == []
+        closer = threading.Thread(target=triggers.uninstall)  # e.g. close() from another thread
+        closer.start()
+        closer.join()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGTERM, signal.SIGUSR1]
+        assert not triggers.stop_requested and not triggers.take_save_request()
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def test_finish_gives_the_signals_back(tmp_path: Path) -> None:
+    previous = signal.getsignal(signal.SIGTERM)
+    mgr = cas.CheckpointManager(cas.open(tmp_path / "store"), run="r1")
+    assert signal.getsignal(signal.SIGTERM) != previous
+    mgr.finish(1, {"w": torch.ones(2)})
+    assert signal.getsignal(signal.SIGTERM) == previous
+    mgr.close()
