@@ -78,7 +78,12 @@ class ReadOnlyCAS(_Operations):  # type: ignore[misc]
         return error
 
     def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
-        """Sizes and types from manifests; the manifest's creation time as every timestamp."""
+        """Sizes and types from manifests; the manifest's creation time as every timestamp.
+
+        On an open handle (``fstat``) the size is the pinned version's, even if the ref moved.
+        """
+        with self._lock:
+            pinned = self._handles.get(fh) if fh is not None else None
         try:
             info = self.fs.info(self._path(path))
         except FileNotFoundError:
@@ -92,7 +97,8 @@ class ReadOnlyCAS(_Operations):  # type: ignore[misc]
         if info["type"] == "directory":
             attrs.update(st_mode=stat.S_IFDIR | 0o555, st_nlink=2, st_size=0)
         else:
-            attrs.update(st_mode=stat.S_IFREG | 0o444, st_nlink=1, st_size=info["size"])
+            size = pinned.size if pinned is not None else info["size"]
+            attrs.update(st_mode=stat.S_IFREG | 0o444, st_nlink=1, st_size=size)
         return attrs
 
     def readdir(self, path: str, fh: int) -> list[str]:

@@ -549,3 +549,19 @@ def test_lightning_model_checkpoint_writes_into_the_store(tmp_path: Path, monkey
     with fs.open(names[-1]) as f:
         loaded = torch.load(f, weights_only=False)
     assert torch.equal(loaded["state_dict"]["layer.weight"], trainer.model.layer.weight.detach())
+
+
+def test_the_mount_reports_the_pinned_size_on_an_open_handle(
+    repo: cas.Repository, fs: CASFileSystem
+) -> None:
+    from cas.fuse_mount import ReadOnlyCAS
+
+    fs.pipe("ckpts/f1/data.bin", b"x" * 100)
+    ops = ReadOnlyCAS(fs, "ckpts")
+    handle = ops.open("/f1/data.bin", os.O_RDONLY)
+    fs.pipe("ckpts/f1/data.bin", b"y" * 300)  # the ref moves while the file is open
+    fs.invalidate_cache()
+    assert ops.getattr("/f1/data.bin", handle)["st_size"] == 100
+    assert ops.getattr("/f1/data.bin")["st_size"] == 300
+    assert ops.read("/f1/data.bin", 4096, 0, handle) == b"x" * 100
+    ops.release("/f1/data.bin", handle)
