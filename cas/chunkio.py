@@ -10,6 +10,7 @@ from typing import Any
 
 from cas.chunking import Cut
 from cas.codecs import Codec, EncodeHints
+from cas.digest import Digest
 from cas.manifest import ChunkRef
 from cas.objects import ObjectStore, PutResult
 
@@ -50,9 +51,13 @@ class WriteStats:
 class ChunkIO:
     """Runs chunk puts and gets on a shared thread pool (blake3, zstd and file I/O drop the GIL)."""
 
-    def __init__(self, objects: ObjectStore, workers: int = 8) -> None:
+    def __init__(self, objects: ObjectStore, workers: int = 8, readers: int | None = None) -> None:
         self.objects = objects
         self.workers = workers
+        self._read_slots = threading.BoundedSemaphore(readers or workers)
+        """Verified reads running at once: writes wait on fsync and want every worker, while a
+        read from a local disk is CPU work (copy, hash, decode) that more threads than cores only
+        slow down."""
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -102,7 +107,8 @@ class ChunkIO:
         """Submit verified reads of ``chunks`` laid end to end into ``out``."""
 
         def get_one(ref: ChunkRef, offset: int) -> None:
-            self.objects.read_chunk_into(ref.digest, out[offset : offset + ref.size])
+            with self._read_slots:
+                self.objects.read_chunk_into(ref.digest, out[offset : offset + ref.size])
             if progress is not None:
                 progress(ref.size)
 
@@ -117,9 +123,13 @@ class ChunkIO:
         self, chunks: Iterable[ChunkRef], prefetch: int = 16
     ) -> Iterator[bytes | memoryview]:
         """Yield verified chunk bytes in order, fetching up to ``prefetch`` ahead."""
+        def get_one(digest: Digest) -> bytes | memoryview:
+            with self._read_slots:
+                return self.objects.get_chunk(digest)
+
         pending: list[Future[bytes | memoryview]] = []
         for ref in chunks:
-            pending.append(self.pool.submit(self.objects.get_chunk, ref.digest))
+            pending.append(self.pool.submit(get_one, ref.digest))
             if len(pending) >= prefetch:
                 yield pending.pop(0).result()
         for future in pending:
