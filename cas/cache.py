@@ -153,6 +153,12 @@ class CachingBlobStore(BlobStore):
     def supports_conditional_writes(self) -> bool:
         return self.remote.supports_conditional_writes
 
+    def drop_cached(self, key: str) -> bool:
+        if not self.cached(key):
+            return False
+        self.local.delete(key)
+        return True
+
     def cached(self, key: str) -> bool:
         """Whether ``key`` is held locally (no remote request)."""
         return self._digest_of_key(key) is not None and self.local.has(key)

@@ -220,7 +220,28 @@ class ObjectStore:
         makes the chunk built on it hash wrong, so checking the chunk itself catches it, and a
         chain of depth d costs one hash instead of d + 1.
         """
-        return self._verified(digest, self.blobs.get(chunk_key(digest)))
+        key = chunk_key(digest)
+        try:
+            return self._verified(digest, self.blobs.get(key))
+        except IntegrityError:
+            # A cached copy that fails (damaged on the local disk, or stored against a base the
+            # remote has since dropped) is read again from the store itself, chain included.
+            if not self.blobs.drop_cached(key):
+                raise
+            self._drop_cached_chain(digest)
+            return self._verified(digest, self.blobs.get(key))
+
+    def _drop_cached_chain(self, digest: Digest) -> None:
+        """Drop cached copies of the bases the stored ``digest`` depends on (headers only)."""
+        current: Digest | None = digest
+        for _ in range(MAX_DELTA_DEPTH):
+            try:
+                current = self.chunk_base(current) if current is not None else None
+            except (NotFound, IntegrityError):
+                return
+            if current is None:
+                return
+            self.blobs.drop_cached(chunk_key(current))
 
     def _verified(self, digest: Digest, blob: bytes | bytearray) -> bytes | memoryview:
         decoded = self._decode(digest, blob, 0)

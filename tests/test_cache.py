@@ -157,3 +157,25 @@ def test_a_reused_chunk_reports_the_base_the_remote_copy_needs_not_the_cached_on
     elsewhere.put_chunk(bytes(x), codec_by_name("xor-delta"), hints)
     reused = through_cache.put_chunk(bytes(x), codec_by_name("zstd"))
     assert not reused.new and reused.base == db
+
+
+@pytest.mark.parametrize("victim", ["chunk", "its base"])
+def test_a_damaged_cached_chunk_is_read_again_from_the_remote(tmp_path: Path, victim: str) -> None:
+    writer = small_chunk_repo(tmp_path / "remote", codec="auto", extra={"delta": {"max_depth": 8}})
+    first = {"w": torch.randn(8192)}
+    second = {"w": first["w"].clone()}
+    second["w"][::97] += 1.0
+    writer.save(first, "a")
+    writer.save(second, "b", parent="a")
+    entry = writer.manifest("b").tensors[0]
+    assert entry.base_digests()  # stored as a delta
+    cache = LocalBlobStore(tmp_path / "cache")
+    repo = Repository(CachingBlobStore(cache, writer.blobs), writer.config)
+    assert_bit_exact(repo.load("b"), second)  # fills the cache
+    digest = entry.chunks[0].digest if victim == "chunk" else sorted(entry.base_digests())[0]
+    key = chunk_key(digest)
+    damaged = bytearray(cache.get(key))
+    damaged[-1] ^= 0x01
+    cache.put(key, bytes(damaged))
+    assert_bit_exact(repo.load("b"), second)
+    assert cache.get(key) == writer.blobs.get(key)  # the cached copy was replaced

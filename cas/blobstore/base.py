@@ -159,6 +159,14 @@ class BlobStore(ABC):
                 break
         return total
 
+    def drop_cached(self, key: str) -> bool:
+        """Forget a local copy of ``key`` held in front of the real store; whether one was held.
+
+        Only caches hold such copies (``cas.cache``); readers call this when a cached object
+        fails verification, then read it again from the store itself.
+        """
+        return False
+
     @property
     def reads_in_place(self) -> bool:
         """Whether ``read_into`` is cheaper than ``get`` (local files), so readers prefer it."""

@@ -35,6 +35,9 @@ class ReadOnlyBlobStore(BlobStore):
     def reads_in_place(self) -> bool:
         return self.inner.reads_in_place
 
+    def drop_cached(self, key: str) -> bool:
+        return self.inner.drop_cached(key)
+
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         self._refuse(key)
 
