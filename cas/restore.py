@@ -117,10 +117,19 @@ def load_first_good(
     false the first candidate's failure is raised as it is.
     """
     skipped: list[Skipped] = []
+    newest: tuple[str, tuple[int, int]] | None = None
     for ref, digest in candidates:
         try:
+            stored_meta = repo.manifest(digest).meta
+            position = _position(stored_meta)
+            if newest is not None and position is not None and position > newest[1]:
+                # latest once named a later step: a branch the run was restarted away from.
+                skipped.append(Skipped(ref, digest, f"later than {newest[0]}: another branch"))
+                continue
+            if newest is None and position is not None:
+                newest = (ref, position)
             if check is not None:
-                check(ref, repo.manifest(digest).meta)
+                check(ref, stored_meta)
             tree, meta = load_checkpoint(repo, digest, keys, map_location, with_rng=with_rng)
         except (IntegrityError, NotFound, FormatError) as e:
             if not fallback:
@@ -131,3 +140,11 @@ def load_first_good(
         return Found(ref, digest, tree, meta, skipped)
     tried = "; ".join(f"{s.ref}: {s.reason}" for s in skipped)
     raise IntegrityError(f"every checkpoint failed verification: {tried}")
+
+
+def _position(meta: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``(phase, step)`` of a manager checkpoint; None for anything else."""
+    phase, step = meta.get("phase", 0), meta.get("step")
+    if not isinstance(step, int) or not isinstance(phase, int):
+        return None
+    return phase, step

@@ -319,6 +319,29 @@ def test_corrupted_latest_falls_back_with_a_warning_and_reports_it(
         mgr.restore("resume", source=bad.ref)
 
 
+def test_fallback_after_a_restart_from_an_older_checkpoint_stays_on_that_branch(
+    repo: cas.Repository,
+) -> None:
+    model, opt = make_model()
+    with manager(repo) as mgr:
+        five = mgr.save(5, state_of(model, opt)).result()
+        train_step(model, opt)
+        mgr.save(10, state_of(model, opt)).result()  # the branch the run is restarted away from
+    with manager(repo) as mgr:
+        mgr.restore("resume", source=five.ref)
+        train_step(model, opt)
+        six = mgr.save(6, state_of(model, opt)).result()
+    digest = next(c.digest for t in repo.manifest(six.ref).tensors for c in t.chunks)
+    path = Path(repo.blobs.path_of(f"chunks/{digest[:2]}/{digest}"))  # type: ignore[attr-defined]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with manager(repo) as mgr:
+        restored = mgr.restore("resume")
+    assert restored.step == 5 and restored.ref == five.ref
+    assert [s.reason.split(":")[0] for s in restored.fallbacks][1] == f"later than {six.ref}"
+
+
 def test_resume_with_nothing_saved_is_not_found_and_auto_starts_fresh(
     repo: cas.Repository,
 ) -> None:
