@@ -49,6 +49,15 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, An
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
+def corrupt_first_chunk(repo: cas.Repository, ref: str) -> None:
+    """Flip the last byte of the first chunk file of ``ref``."""
+    digest = next(c.digest for t in repo.manifest(ref).tensors for c in t.chunks)
+    path = Path(repo.blobs.path_of(f"chunks/{digest[:2]}/{digest}"))  # type: ignore[attr-defined]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 @pytest.fixture
 def repo(tmp_path: Path) -> cas.Repository:
     return cas.open(tmp_path / "store", config=StoreConfig(chunk_size=16 << 10))
@@ -304,11 +313,7 @@ def test_corrupted_latest_falls_back_with_a_warning_and_reports_it(
         good = mgr.save(1, state_of(model, opt)).result()
         train_step(model, opt)
         bad = mgr.save(2, state_of(model, opt)).result()
-    digest = next(c.digest for t in repo.manifest(bad.ref).tensors for c in t.chunks)
-    path = Path(repo.blobs.path_of(f"chunks/{digest[:2]}/{digest}"))  # type: ignore[attr-defined]
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
+    corrupt_first_chunk(repo, bad.ref)
     with caplog.at_level(logging.WARNING, logger="cas.manager"), manager(repo) as mgr:
         restored = mgr.restore("resume")
     assert restored.ref == good.ref and restored.step == 1
@@ -331,11 +336,7 @@ def test_fallback_after_a_restart_from_an_older_checkpoint_stays_on_that_branch(
         mgr.restore("resume", source=five.ref)
         train_step(model, opt)
         six = mgr.save(6, state_of(model, opt)).result()
-    digest = next(c.digest for t in repo.manifest(six.ref).tensors for c in t.chunks)
-    path = Path(repo.blobs.path_of(f"chunks/{digest[:2]}/{digest}"))  # type: ignore[attr-defined]
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
+    corrupt_first_chunk(repo, six.ref)
     with manager(repo) as mgr:
         restored = mgr.restore("resume")
     assert restored.step == 5 and restored.ref == five.ref

@@ -90,18 +90,11 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """``save_strategy="epoch"`` decides to save here: finish the previous ingest first."""
+        """Finish the previous ingest: ``save_strategy="epoch"`` decides to save here, and
+        ``"best"`` right after evaluating (``on_evaluate``), with no callback in between."""
         self.wait()
 
-    def on_evaluate(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: Any,
-    ) -> None:
-        """``save_strategy="best"`` decides after evaluating, with no callback in between."""
-        self.wait()
+    on_evaluate = on_epoch_end
 
     def on_train_end(
         self,
