@@ -5,10 +5,10 @@
 
 1. Read the writer leases first. The cutoff is ``now - grace``, lowered to
    ``oldest live lease start - margin`` while a writer is in flight (see ``cas.leases``).
-2. Roots: every ref's current target, every ref-history entry younger than ``reflog_window``, and
-   every manifest modified after the cutoff (a writer may be about to name it, or lost a ref race
-   and was told to retry). Their chunks, delta bases included (``Manifest.chunk_digests``), are
-   marked. Chunk payloads are never parsed (invariant 4).
+2. Roots: every ref's current target, every ref-history entry the ref moved on from less than
+   ``reflog_window`` ago, and every manifest modified after the cutoff (a writer may be about to
+   name it, or lost a ref race and was told to retry). Their chunks, delta bases included
+   (``Manifest.chunk_digests``), are marked. Chunk payloads are never parsed (invariant 4).
 3. List chunks and manifests with their mtimes: unmarked ones older than the cutoff are candidates.
 
 If any ref or any root manifest cannot be read, planning raises (saying which and why) and
@@ -53,9 +53,9 @@ class GCSettings:
     """How old an unreachable object must be before GC deletes it, and how much history counts.
 
     ``grace``: unreachable objects modified less than this long ago are kept (writers that do not
-    take leases, clock skew, coarse mtimes). ``reflog_window``: ref-history entries younger than
-    this keep their manifests alive (undo, and readers still loading a target that just moved).
-    It is deliberately short: a ``latest`` ref moved at every save would otherwise keep every
+    take leases, clock skew, coarse mtimes). ``reflog_window``: ref-history entries the ref moved
+    on from less than this long ago keep their manifests alive (undo, and readers still loading a
+    target that just moved). It is deliberately short: a ``latest`` ref moved at every save would otherwise keep every
     checkpoint of the window alive whatever the retention policy says.
     """
 
@@ -298,9 +298,13 @@ def plan_gc(
             roots.setdefault(record.target, f"ref {record.name!r}")
         current = set(roots)
         for record in records:
-            for back, event in enumerate(reversed(record.history)):
-                if event.time >= now - settings.reflog_window:
-                    roots.setdefault(event.target, f"ref {record.name}~{back}")
+            # An entry's age counts from when the ref moved on from it (git's reflog does the
+            # same): a target overwritten a minute ago is kept however long it was current.
+            history = record.history
+            for i, event in enumerate(history):
+                ended = history[i + 1].time if i + 1 < len(history) else now
+                if ended >= now - settings.reflog_window:
+                    roots.setdefault(event.target, f"ref {record.name}~{len(history) - 1 - i}")
         manifest_infos = {
             digest: (size, mtime)
             for digest, size, mtime in sweeper.scan("manifests/", MANIFEST_KEY_RE)

@@ -360,6 +360,7 @@ class GCModel(RuleBasedStateMachine):
     def cp(self, src: str, dst: str) -> None:
         if src in self.refs and src != dst:
             digest = self.repo.cp(src, dst)
+            self._stored(digest, self.refs[src][2])  # cp touches what it copies
             self._point(dst, digest, self.refs[src][2])
 
     @rule(name=NAMES)
@@ -414,8 +415,11 @@ class GCModel(RuleBasedStateMachine):
         if self.writer is not None and now < self.writer[5] + MARGIN:
             cutoff = min(cutoff, self.writer[4] - MARGIN)
         roots = {target for target, _, _ in self.refs.values()}
-        roots |= {
-            d for _, history, _ in self.refs.values() for d, when in history if when >= now - WINDOW
+        roots |= {  # an entry ages from when the ref moved on from it
+            d
+            for _, history, _ in self.refs.values()
+            for (d, _), (_, ended) in zip(history, [*history[1:], ("", now)], strict=True)
+            if ended >= now - WINDOW
         }
         roots |= {d for d, (_, when) in self.manifests.items() if when >= cutoff}
         marked = set().union(*(self.manifests[d][0] for d in roots if d in self.manifests))
@@ -456,3 +460,16 @@ def test_store_config_supplies_gc_defaults(tmp_path: Path) -> None:
         GCSettings.from_config({"gc": {"grace": "later"}})
     assert StoreConfig().extra == {}
     assert torch.equal(tensor(3, 16), tensor(3, 16))
+
+
+def test_a_target_overwritten_a_minute_ago_is_kept_however_long_it_was_current() -> None:
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock)
+    repo.save(state(1), "runs/r1/latest")
+    clock.advance(3 * 3600)  # current for three hours...
+    repo.save(state(2), "runs/r1/latest")
+    clock.advance(60)  # ...and overwritten a minute ago
+    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=3600))
+    assert plan.history_manifests == 1 and plan.chunks == ()
+    plan.execute()
+    assert_bit_exact(repo.load("runs/r1/latest~1"), state(1))
