@@ -59,11 +59,18 @@ def ref_matches(name: str, selector: str) -> bool:
 
 
 def glob_match(name: str, pattern: str) -> bool:
-    """Glob where ``*`` and ``?`` stay within one '/' segment and ``**`` spans segments."""
+    """Glob where ``*``, ``?`` and ``[...]`` stay within one '/' segment and ``**`` spans segments.
+
+    ``**/`` also matches no folder at all (``**/best`` matches ``best``), as in git. ``[0-9]``,
+    ``[!a]`` and ``[^a]`` are character classes; a ``[`` with no closing ``]`` is itself.
+    """
     regex = ""
     i = 0
     while i < len(pattern):
-        if pattern.startswith("**", i):
+        if pattern.startswith("**/", i):
+            regex += "(?:.*/)?"
+            i += 3
+        elif pattern.startswith("**", i):
             regex += ".*"
             i += 2
         elif pattern[i] == "*":
@@ -72,6 +79,13 @@ def glob_match(name: str, pattern: str) -> bool:
         elif pattern[i] == "?":
             regex += "[^/]"
             i += 1
+        elif pattern[i] == "[" and (end := _class_end(pattern, i)) > 0:
+            body = pattern[i + 1 : end]
+            negate = body[:1] in ("!", "^")
+            body = body[1:] if negate else body
+            members = "".join("\\" + c if c in "\\^]" else c for c in body)
+            regex += f"(?![/])[{'^' if negate else ''}{members}]"
+            i = end + 1
         else:
             regex += re.escape(pattern[i])
             i += 1
@@ -86,3 +100,14 @@ def check_relative_path(text: str) -> str:
         if segment in ("", ".", ".."):
             raise InvalidName(f"unsafe path in manifest: {text!r}")
     return text
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """Index of the ``]`` closing the class opened at ``start``, or -1 if there is none."""
+    i = start + 1
+    if pattern[i : i + 1] in ("!", "^"):
+        i += 1
+    if pattern[i : i + 1] == "]":
+        i += 1  # a leading ']' is a member
+    end = pattern.find("]", i)
+    return end

@@ -429,3 +429,34 @@ def test_two_maintenance_runs_never_interleave(tmp_path: Path) -> None:
     clock.advance(61)  # its holder died: once expired the lock is taken over
     policy.apply(repo)
     assert CliRunner().invoke(cli, ["--store", str(tmp_path), "leases"]).output.endswith("free\n")
+
+
+@pytest.mark.parametrize(
+    ("name", "pattern", "selected"),
+    [
+        ("pool/anchor_1", "pool/anchor_[0-9]*", True),
+        ("pool/anchor_x", "pool/anchor_[0-9]*", False),
+        ("pool/anchor_x", "pool/anchor_[!0-9]*", True),
+        ("a/b", "a[/]b", False),  # a class never matches '/'
+        ("gate", "**/gate", True),  # '**/' also matches no folder, as in git
+        ("runs/gate", "runs/**/gate", True),
+        ("runs/a/b/gate", "runs/**/gate", True),
+        ("runs/xgate", "runs/**/gate", False),
+        ("runs/r1/x", "runs/*", False),
+    ],
+)
+def test_selector_globs(name: str, pattern: str, selected: bool) -> None:
+    from cas.names import ref_matches
+
+    assert ref_matches(name, pattern) is selected
+
+
+def test_a_character_class_in_protect_keeps_its_refs(tmp_path: Path) -> None:
+    clock = FakeClock(utc("2026-03-01 00:00"))
+    repo = local_repo(tmp_path, clock)
+    for i, name in enumerate(("pool/anchor_1", "pool/v2", "pool/v3", "pool/v4")):
+        clock.advance(600)
+        repo.save(ckpt_state(i), name)
+    policy = RetentionPolicy(rules=(Rule("pool/**", keep_last=2, protect=("pool/anchor_[0-9]*",)),))
+    policy.apply(repo)
+    assert [r.name for r in repo.refs("pool")] == ["pool/anchor_1", "pool/v3", "pool/v4"]
