@@ -38,10 +38,9 @@ def export_files(
         targets = [
             (dest / check_relative_path(rel), e) for rel, e in sorted(manifest.files.items())
         ]
-    if not overwrite:
-        clashes = [str(t) for t, _ in targets if t.exists()]
-        if clashes:
-            raise AlreadyExists(f"{clashes[0]} exists (use --force to overwrite)")
+    _check_targets([t for t, _ in targets], sha256=sha256, overwrite=overwrite)
+    if not single:
+        dest.mkdir(parents=True, exist_ok=True)  # an empty directory comes back too
     written = []
     for target, entry in targets:
         digest = _write_file(repo, entry, target, progress)
@@ -49,6 +48,30 @@ def export_files(
         if sha256:
             written.append(write_sha256_sidecar(target, digest))
     return written
+
+
+def _check_targets(targets: list[Path], *, sha256: bool, overwrite: bool) -> None:
+    """Refuse, before writing anything, what would fail half way or overwrite a user's file."""
+    names = {*targets}
+    for target in targets:
+        parent = target.parent
+        while not parent.is_dir():  # up to the first directory that exists
+            if parent in names or parent.exists():
+                raise AlreadyExists(f"{parent} is a file where a directory is needed")
+            parent = parent.parent
+        if sha256 and _sidecar_of(target) in names:
+            raise AlreadyExists(
+                f"{_sidecar_of(target)} is a stored file and the --sha256 sidecar of {target.name}"
+            )
+    if not overwrite:
+        outputs = [*targets, *(_sidecar_of(t) for t in targets)] if sha256 else targets
+        clashes = [str(t) for t in outputs if t.exists()]
+        if clashes:
+            raise AlreadyExists(f"{clashes[0]} exists (use --force to overwrite)")
+
+
+def _sidecar_of(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
 
 
 def _write_file(repo: Repository, entry: FileEntry, target: Path, progress: Progress | None) -> str:
@@ -81,7 +104,7 @@ def write_sha256_sidecar(target: Path, hexdigest: str | None = None) -> Path:
             for block in iter(lambda: f.read(1 << 20), b""):
                 hasher.update(block)
         hexdigest = hasher.hexdigest()
-    sidecar = target.with_name(target.name + ".sha256")
+    sidecar = _sidecar_of(target)
     sidecar.write_text(f"{hexdigest}  {target.name}\n")
     return sidecar
 

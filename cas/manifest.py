@@ -160,6 +160,8 @@ def encode_manifest(manifest: Manifest) -> bytes:
     if manifest.kind == "state":
         doc["tree"] = manifest.tree
     else:
+        for path in manifest.files:  # never store a manifest decode_manifest would refuse
+            check_relative_path(path)
         doc["files"] = {
             path: {
                 "size": e.size,

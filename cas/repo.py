@@ -41,7 +41,7 @@ from cas.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from cas.names import RefName, parse_ref_name
+from cas.names import RefName, check_relative_path, parse_ref_name
 from cas.objects import HEADER_SIZE, ObjectStore, chunk_key, manifest_key
 from cas.refs import RefEvent, RefRecord, RefStore
 from cas.state import TensorSource, decode_state, encode_state, iter_tensor_paths, tensor_from_bytes
@@ -299,6 +299,14 @@ class Repository:
             kind = "file"
         else:
             raise NotFound(f"no such file or directory: {source}")
+        for rel, _, _ in files:  # refuse before any chunk is written
+            try:
+                check_relative_path(rel)
+            except InvalidName:
+                raise FormatError(
+                    f"{source}: cannot store a file named {rel!r} (control characters and "
+                    "backslashes are refused in stored paths)"
+                ) from None
         stats = WriteStats()
         tensors: list[TensorEntry] = []
         entries: dict[str, FileEntry] = {}
@@ -315,7 +323,7 @@ class Repository:
                 (writer, parents, rel),
             )
         writer.refresh_bases(tensors)
-        meta = {"source": kind, "name": source.name, **check_meta(metadata)}
+        meta = {**check_meta(metadata), "source": kind, "name": source.name}  # ours win
         manifest = Manifest(
             kind="files",
             tensors=tuple(tensors),

@@ -113,16 +113,23 @@ class Rule:
     eviction_log: str = ""
 
     def __post_init__(self) -> None:
-        if not self.select:
-            raise ValueError("a rule needs a select pattern")
+        if not isinstance(self.select, str) or not self.select:
+            raise ValueError("a rule needs a select pattern (a string)")
         if self.time not in ("created", "ref"):
             raise ValueError(f"rule time must be 'created' or 'ref', not {self.time!r}")
         counts = ("keep_last", "keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
-        for name in (*counts, "max_count", "protect_days"):
-            if getattr(self, name) < 0:
+        for name in (*counts, "max_count", "protect_days", "budget_priority"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a whole number, not {value!r}")
+            if value < 0 and name != "budget_priority":
                 raise ValueError(f"{name} must not be negative")
-        if self.keep_within < 0 or self.protect_within < 0:
-            raise ValueError("durations must not be negative")
+        for name in ("keep_within", "protect_within"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{name} must be a duration of 0 seconds or more, not {value!r}")
+            if value == float("inf"):
+                raise ValueError(f"{name} must be finite")
         if isinstance(self.group_by, str):
             try:
                 re.compile(self.group_by)

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +159,81 @@ def test_get_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
     assert target.read_bytes() == b"precious"
     assert run_cli(store, "get", "files/a", str(target), "--force").returncode == 0
     assert target.read_bytes() == source.read_bytes()
+
+
+def test_a_file_name_a_manifest_cannot_hold_is_refused_and_the_store_stays_usable(
+    tmp_path: Path,
+) -> None:
+    store, src = tmp_path / "store", tmp_path / "src"
+    src.mkdir()
+    (src / "a\tb").write_bytes(b"1")
+    assert_one_line_error(run_cli(store, "put", str(src), "ok/dir"), "cannot store a file named")
+    assert run_cli(store, "ls", "--json").returncode == 0
+    assert run_cli(store, "gc", "--dry-run").returncode == 0
+
+
+def test_get_refuses_before_writing_anything_it_cannot_finish(tmp_path: Path) -> None:
+    store, src, out = tmp_path / "store", tmp_path / "src", tmp_path / "out"
+    (src / "sub").mkdir(parents=True)
+    (src / "a").write_text("a")
+    (src / "sub" / "x").write_text("x")
+    (src / "b.sha256").write_text("user notes")
+    (src / "b").write_text("b")
+    assert run_cli(store, "put", str(src), "d").returncode == 0
+    out.mkdir()
+    (out / "sub").write_text("mine")  # a file where the checkpoint needs a directory
+    assert_one_line_error(run_cli(store, "get", "d", str(out), "--force"), "a directory is needed")
+    assert sorted(p.name for p in out.iterdir()) == ["sub"]
+    # --sha256 would write b.sha256 over the stored file of that name
+    assert_one_line_error(run_cli(store, "get", "d", str(tmp_path / "o2"), "--sha256"), "sidecar")
+    assert not (tmp_path / "o2").exists()
+
+
+def test_rm_with_one_unknown_ref_removes_none(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    cas.open(store).save({"w": torch.ones(1)}, "gates/best")
+    assert_one_line_error(run_cli(store, "rm", "gates/best", "runs/typo"), "runs/typo")
+    assert [r.name for r in cas.open(store).refs()] == ["gates/best"]
+
+
+def test_usage_errors_and_odd_store_paths_are_one_line(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    for args in (["put"], ["verify", "--sample", "abc"], ["get", "--format", "zip", "a", "b"]):
+        result = run_cli(store, *args)
+        assert result.returncode == 2
+        assert_one_line_error(result, "--help")
+    assert_one_line_error(run_cli(Path("~nosuchuser_zz/store"), "ls"), "nosuchuser_zz")
+
+
+def test_init_never_ignores_options_silently(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    assert run_cli(store, "init", "--codec", "zstd").returncode == 0
+    assert_one_line_error(run_cli(store, "init", "--codec", "raw"), "already exists")
+    assert_one_line_error(run_cli(tmp_path / "other", "init", "--chunk-size", "0"), "chunk_size 0")
+
+
+def test_json_output_stays_json_with_non_finite_metadata(tmp_path: Path) -> None:
+    store, src = tmp_path / "store", tmp_path / "f.txt"
+    src.write_text("hi")
+    assert run_cli(store, "put", str(src), "r", "-m", "loss=NaN", "-m", "source=dir").returncode == 0
+    cas.open(store).save({"w": torch.ones(1)}, "py", metadata={"loss": float("inf")})
+    def strict(text: str) -> Any:  # json.loads itself accepts bare NaN and Infinity
+        def refuse(token: str) -> None:
+            raise ValueError(f"not JSON: {token}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    assert strict(run_cli(store, "ls", "--json").stdout)
+    assert strict(run_cli(store, "show", "py", "--json").stdout)["meta"]["loss"] is None
+    meta = strict(run_cli(store, "show", "r", "--json").stdout)["meta"]
+    assert meta["loss"] == "NaN" and meta["source"] == "file"  # a user key cannot change the kind
+    assert run_cli(store, "get", "r", str(tmp_path / "back.txt")).returncode == 0
+    assert (tmp_path / "back.txt").read_text() == "hi"
+
+
+def test_an_empty_directory_comes_back_as_an_empty_directory(tmp_path: Path) -> None:
+    store, src = tmp_path / "store", tmp_path / "empty"
+    src.mkdir()
+    assert run_cli(store, "put", str(src), "e").returncode == 0
+    assert run_cli(store, "get", "e", str(tmp_path / "back")).returncode == 0
+    assert (tmp_path / "back").is_dir() and not any((tmp_path / "back").iterdir())

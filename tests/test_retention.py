@@ -460,3 +460,12 @@ def test_a_character_class_in_protect_keeps_its_refs(tmp_path: Path) -> None:
     policy = RetentionPolicy(rules=(Rule("pool/**", keep_last=2, protect=("pool/anchor_[0-9]*",)),))
     policy.apply(repo)
     assert [r.name for r in repo.refs("pool")] == ["pool/anchor_1", "pool/v3", "pool/v4"]
+
+
+@pytest.mark.parametrize(
+    "bad", [{"keep_last": 2.5}, {"max_count": float("inf")}, {"keep_within": float("inf")}, {"select": 5}]
+)
+def test_a_rule_with_a_value_forget_cannot_use_is_refused_when_made(bad: dict[str, Any]) -> None:
+    fields: dict[str, Any] = {"select": "runs/**", **bad}
+    with pytest.raises(ValueError):
+        Rule(**fields)

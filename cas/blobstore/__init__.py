@@ -10,6 +10,7 @@ from cas.blobstore.base import BlobInfo, BlobStore, Version, check_key
 from cas.blobstore.local import LocalBlobStore
 from cas.blobstore.memory import MemoryBlobStore
 from cas.blobstore.readonly import ReadOnlyBlobStore
+from cas.errors import NotFound
 
 __all__ = [
     "BlobInfo",
@@ -27,7 +28,11 @@ def open_blobstore(url: str | os.PathLike[str], **options: Any) -> BlobStore:
     """Open the blob store a URL names: a path, ``file://``, ``memory://``, ``s3://`` or fsspec."""
     text = os.fspath(url)
     if "://" not in text:
-        return LocalBlobStore(Path(text).expanduser(), **options)
+        try:
+            path = Path(text).expanduser()
+        except RuntimeError as e:  # ~user with no such user
+            raise NotFound(f"store path {text!r}: {e}") from None
+        return LocalBlobStore(path, **options)
     scheme, _, rest = text.partition("://")
     if scheme == "file":
         return LocalBlobStore(Path(rest), **options)

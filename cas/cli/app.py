@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,14 +43,36 @@ class Context:
 
 
 class CASGroup(click.Group):
-    """Turns cas errors and OS errors into one line on stderr and a non-zero exit."""
+    """Turns cas errors, OS errors and usage errors into one line on stderr and a non-zero exit."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        parent = super().main
+        if not standalone_mode:
+            return parent(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = parent(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:  # one line, not click's usage block
+            hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+            _fail(f"{e.format_message()}{hint}", code=EXIT_USAGE)
+        except click.ClickException as e:
+            _fail(e.format_message(), code=e.exit_code)
+        except click.Abort:
+            _fail("aborted", code=130)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except CASError as e:
             _fail(f"{type(e).__name__}: {e}")
-        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        except OSError as e:  # a missing file, no permission, a full or read-only disk...
             _fail(f"{type(e).__name__}: {e.strerror or e}: {e.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
             _fail("interrupted", code=130)
@@ -103,7 +126,18 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON f
 
 def emit_json(value: Any) -> None:
     """Print one JSON document on stdout."""
-    click.echo(json.dumps(value, indent=2, default=_json_default, sort_keys=False))
+    click.echo(json.dumps(_finite(value), indent=2, default=_json_default, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as null: JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _json_default(value: Any) -> Any:

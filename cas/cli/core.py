@@ -40,14 +40,22 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     from cas.encoding import standalone_codec
 
     config = StoreConfig()
-    if chunk_size:
+    if chunk_size is not None:
         config = replace(config, chunk_size=chunk_size)
     if codec:
         standalone_codec(codec, 1)  # an unknown name is an error here
         config = replace(config, codec=codec)
     import cas
+    from cas.errors import AlreadyExists
 
     repo = cas.open(obj.store, config=config.validate())
+    asked = {"chunk_size": chunk_size, "codec": codec}
+    ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
+    if ignored:
+        raise AlreadyExists(
+            f"a store already exists at {repo.url} with another {' and '.join(ignored)} "
+            f"({', '.join(f'{k} {getattr(repo.config, k)}' for k in ignored)})"
+        )
     if as_json:
         emit_json({"store": repo.url, "config": repo.config.__dict__})
     else:
@@ -129,8 +137,8 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--meta")
-        try:
-            out[key] = json.loads(value)
+        try:  # NaN/Infinity stay strings: JSON has no such numbers
+            out[key] = json.loads(value, parse_constant=str)
         except ValueError:
             out[key] = value
     return out
@@ -289,6 +297,8 @@ def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], as_json: bool) -
 def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
     """Delete refs. Their chunks stay until `cas gc` finds them unreferenced."""
     repo = obj.open(create=False)
+    for ref in refs:  # a typo in one name removes none of them
+        repo.resolve(ref)
     removed = [{"ref": r, "manifest": repo.rm(r)} for r in refs]
     if as_json:
         emit_json(removed)
