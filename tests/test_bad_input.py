@@ -237,3 +237,14 @@ def test_an_empty_directory_comes_back_as_an_empty_directory(tmp_path: Path) -> 
     assert run_cli(store, "put", str(src), "e").returncode == 0
     assert run_cli(store, "get", "e", str(tmp_path / "back")).returncode == 0
     assert (tmp_path / "back").is_dir() and not any((tmp_path / "back").iterdir())
+
+
+def test_a_binary_file_that_only_starts_like_a_pickle_is_stored_as_bytes(tmp_path: Path) -> None:
+    store, src = tmp_path / "store", tmp_path / "src"
+    src.mkdir()
+    data = b"\x80\x04" + bytes(range(256)) * 64  # PROTO 4, then no valid pickle
+    (src / "blob.dat").write_bytes(data)
+    (src / "config.json").write_text("{}")
+    assert run_cli(store, "put", str(src), "d").returncode == 0
+    assert run_cli(store, "get", "d", str(tmp_path / "back")).returncode == 0
+    assert (tmp_path / "back" / "blob.dat").read_bytes() == data

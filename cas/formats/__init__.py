@@ -11,7 +11,10 @@
   is refused and nothing of it executes; then each uncompressed ``<archive>/data/<key>`` member
   becomes a region (compressed members and big-endian files yield no regions).
 - **legacy torch / raw pickles** (first byte ``0x80``, protocol 2 to 5): validated the same way
-  (without mmap, so capped at 1 GiB) and then stored as opaque bytes.
+  (without mmap, so capped at 1 GiB) and then stored as opaque bytes. A file not named like a
+  torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) is taken for a pickle only if its opcodes
+  read as one (``pickletools``, nothing executed); binary data that merely starts with those two
+  bytes is opaque.
 - anything else is **opaque**: no regions, cut by content-defined chunking.
 
 A pickle that fails weights-only validation raises ``FormatError`` unless the caller passes
@@ -35,6 +38,7 @@ from cas.formats._torchzip import (
     inspect_pickle,
     inspect_torch_zip,
     is_pickle_head,
+    parses_as_pickle,
 )
 from cas.formats.layout import FileLayout, TensorRegion, opaque_layout
 
@@ -69,6 +73,8 @@ def inspect_file(path: str | os.PathLike[str], *, allow_opaque_pickles: bool = F
                 strict=suffix in TORCH_SUFFIXES,
                 allow_opaque_pickles=allow_opaque_pickles,
             )
-    if is_pickle_head(head):
+    # A file named like a torch file is a torch file; any other file that merely starts like a
+    # pickle (two bytes) is checked only if it really is one, else it is stored as opaque bytes.
+    if is_pickle_head(head) and (suffix in TORCH_SUFFIXES or parses_as_pickle(name)):
         return inspect_pickle(name, size, allow_opaque_pickles=allow_opaque_pickles)
     return opaque_layout(size)

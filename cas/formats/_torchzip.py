@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import pickletools
 import re
 import struct
 import warnings
@@ -62,6 +63,17 @@ class _Member:
 def is_pickle_head(head: bytes) -> bool:
     """True if ``head`` starts with a pickle PROTO opcode of a protocol torch can write."""
     return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def parses_as_pickle(name: str) -> bool:
+    """Whether the file's opcodes read as one pickle up to its STOP (nothing is executed)."""
+    try:
+        with open(name, "rb") as stream:
+            for _ in pickletools.genops(stream):
+                pass
+    except Exception:  # pickletools raises ValueError and others on what is not a pickle
+        return False
+    return True
 
 
 def inspect_torch_zip(
