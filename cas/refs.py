@@ -166,11 +166,18 @@ class RefStore:
             ) from e
         return replace(record, version=version)
 
-    def delete(self, name: str, *, expected: Digest | None = None) -> RefRecord:
-        """Remove a ref by compare-and-swap; return the record that was removed."""
+    def delete(
+        self, name: str, *, expected: Digest | None = None, changed_at: float | None = None
+    ) -> RefRecord:
+        """Remove a ref by compare-and-swap; return the record that was removed.
+
+        ``changed_at``: also refuse if the ref was set since that time, even to the same target.
+        """
         current = self.get(name)
         if expected is not None and current.target != expected:
             raise RefConflict(f"ref {name!r} moved: expected {_short(expected)}")
+        if changed_at is not None and current.history and current.history[-1].time != changed_at:
+            raise RefConflict(f"ref {name!r} was set again since {changed_at}")
         assert current.version is not None
         try:
             self.blobs.delete_conditional(ref_key(current.name), current.version)

@@ -23,6 +23,7 @@ from cas.errors import NotFound, RefConflict
 from cas.evictions import append_evictions
 from cas.leases import maintenance
 from cas.names import ref_matches
+from cas.refs import RefRecord
 from cas.space import RefContent, object_sizes, read_contents
 from cas.units import format_duration, format_size
 
@@ -53,6 +54,9 @@ class RefDecision:
     protected: bool
     reasons: tuple[str, ...]
     bytes: int
+    changed: float | None = None
+    """When the ref was last set, at planning: a ref set again since (even to the same manifest,
+    as a re-promotion does) is not removed."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class ForgetPlan:
                 record = repo.refs_store.try_get(d.ref)
                 if record is None:
                     skipped.append((d.ref, "already gone"))
-                elif record.target != d.manifest:
+                elif record.target != d.manifest or _set_since(record, d.changed):
                     skipped.append((d.ref, "moved since the plan"))
                 else:
                     still.append(d)
@@ -124,7 +128,7 @@ class ForgetPlan:
             removed = []
             for d in still:
                 try:
-                    repo.refs_store.delete(d.ref, expected=d.manifest)
+                    repo.refs_store.delete(d.ref, expected=d.manifest, changed_at=d.changed)
                     removed.append(d.ref)
                 except RefConflict:
                     skipped.append((d.ref, "moved since the plan"))
@@ -162,6 +166,11 @@ class ForgetPlan:
         )
         lines.extend(f"WARNING: {w}" for w in self.warnings)
         return lines
+
+
+def _set_since(record: RefRecord, changed: float | None) -> bool:
+    """Whether the ref was set again after ``changed`` (when the plan read it)."""
+    return changed is not None and bool(record.history) and record.history[-1].time != changed
 
 
 def _decision_dict(d: RefDecision) -> dict[str, Any]:
@@ -208,6 +217,7 @@ def _build_plan(
                 protected=bool(entry.protected),
                 reasons=tuple(reasons),
                 bytes=accounting.exclusive(entry) if keep else entry.frees,
+                changed=history[-1].time if (history := entry.content.record.history) else None,
             )
         )
         if not keep and rule is not None and rule.eviction_log:

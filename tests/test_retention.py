@@ -469,3 +469,23 @@ def test_a_rule_with_a_value_forget_cannot_use_is_refused_when_made(bad: dict[st
     fields: dict[str, Any] = {"select": "runs/**", **bad}
     with pytest.raises(ValueError):
         Rule(**fields)
+
+
+def test_a_ref_set_again_between_plan_and_execute_is_not_removed() -> None:
+    from tests.retention_helpers import memory_repo
+
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock)
+    repo.save({"w": tensor(1, 4096)}, "ckpt/a")
+    repo.cp("ckpt/a", "snap/x")
+    clock.advance(10 * HOUR)
+    repo.save({"w": tensor(2, 4096)}, "ckpt/b")
+    repo.cp("ckpt/b", "snap/y")
+    policy = RetentionPolicy(rules=(Rule("snap/*", time="ref", protect_within=HOUR, keep_last=1),))
+    plan = policy.plan(repo)
+    assert [d.ref for d in plan.dropped] == ["snap/x"]
+    clock.advance(60)
+    repo.cp("ckpt/a", "snap/x")  # re-promoted to the same manifest: now protected
+    result = plan.execute(repo)
+    assert result.removed == () and result.skipped == (("snap/x", "moved since the plan"),)
+    assert repo.resolve("snap/x") == repo.resolve("ckpt/a")
