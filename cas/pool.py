@@ -137,16 +137,19 @@ class OpponentPool:
             self._manifests[digest] = manifest
         return manifest
 
+    def _entry(self, ref: str, digest: Digest) -> PoolEntry:
+        meta = self._manifest(digest).meta.get("pool")
+        if not isinstance(meta, Mapping):
+            raise FormatError(f"{ref} has no pool metadata")
+        return _entry_from(ref, digest, meta)
+
     def entries(self, *, include_anchors: bool = True) -> list[PoolEntry]:
         """Every model in the pool, oldest version first; reads manifests, never weights."""
         out = []
         for record in self.repo.refs(f"{self.prefix}/"):
             if ENTRY_RE.match(record.name.rsplit("/", 1)[-1]) is None:
                 continue
-            meta = self._manifest(record.target).meta.get("pool")
-            if not isinstance(meta, Mapping):
-                raise FormatError(f"{record.name} has no pool metadata")
-            entry = _entry_from(record.name, record.target, meta)
+            entry = self._entry(record.name, record.target)
             if include_anchors or not entry.anchor:
                 out.append(entry)
         return sorted(out, key=lambda e: e.version)
@@ -310,10 +313,7 @@ class OpponentPool:
                 record = self.repo.refs_store.try_get(entry.ref)
                 if record is None:
                     return entry
-                meta = self._manifest(record.target).meta.get("pool")
-                if not isinstance(meta, Mapping):
-                    raise FormatError(f"{entry.ref} has no pool metadata") from None
-                entry = _entry_from(entry.ref, record.target, meta)  # its latest rating
+                entry = self._entry(entry.ref, record.target)  # its latest rating
         raise RefConflict(f"{entry.ref}: too many concurrent updates while evicting it")
 
     def _log_eviction(self, entry: PoolEntry) -> None:

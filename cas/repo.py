@@ -588,7 +588,11 @@ class Repository:
         parse_ref_name(dst)
         digest = self.resolve(src)
         manifest = decode_manifest(self.objects.get_manifest(digest))
-        self._touch_all([manifest_key(digest), *map(chunk_key, manifest.chunk_digests())])
+        missing = self.blobs.touch_many(
+            [manifest_key(digest), *map(chunk_key, manifest.chunk_digests())]
+        )
+        if missing:
+            raise NotFound(f"{missing[0]} is missing from the store: {src} is damaged")
         if only:
             from cas.subset import subset_manifest
 
@@ -599,15 +603,6 @@ class Repository:
             )
         self.refs_store.set(dst, digest, op="cp", message=message or f"cp {src}")
         return digest
-
-    def _touch_all(self, keys: Sequence[str]) -> None:
-        def touch(key: str) -> None:
-            try:
-                self.blobs.touch(key)
-            except NotFound as e:
-                raise NotFound(f"{key} is missing from the store: the source is damaged") from e
-
-        wait_all([self.io.pool.submit(touch, key) for key in keys])
 
     def rm(self, ref: str) -> Digest:
         """Delete a ref (its chunks stay until GC finds them unreachable); return its target."""

@@ -353,13 +353,7 @@ def _freshen(dst: StoreSide, skipped: Iterable[Digest], jobs: int) -> None:
     manifest may move meanwhile, and the refs this transfer moves would then name a swept chunk.
     A chunk swept before its touch is stored again by ``_reconcile_chains``.
     """
-    keys = [chunk_key(d) for d in skipped]
-    if not keys:
-        return
-    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="cas-touch") as pool:
-        for future in [pool.submit(dst.blobs.touch, key) for key in keys]:
-            with contextlib.suppress(NotFound):
-                future.result()
+    dst.blobs.touch_many([chunk_key(d) for d in skipped], jobs)
 
 
 def _reconcile_chains(

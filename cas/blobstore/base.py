@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NewType
 
-from cas.errors import InvalidName
+from cas.errors import InvalidName, NotFound
 
 Version = NewType("Version", str)
 """An opaque token naming one stored version of a blob (an ETag on S3, a content hash locally)."""
@@ -190,6 +190,20 @@ class BlobStore(ABC):
             return {key: self.has(key) for key in key_list}
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return dict(zip(key_list, pool.map(self.has, key_list), strict=False))
+
+    def touch_many(self, keys: Iterable[str], workers: int = 16) -> Sequence[str]:
+        """Touch many keys at once; return the ones that were not there."""
+        key_list = list(keys)
+
+        def touched(key: str) -> bool:
+            try:
+                self.touch(key)
+            except NotFound:
+                return False
+            return True
+
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(key_list) or 1))) as pool:
+            return [k for k, ok in zip(key_list, pool.map(touched, key_list), strict=True) if not ok]
 
     @property
     def supports_conditional_writes(self) -> bool:
