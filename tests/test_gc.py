@@ -192,6 +192,9 @@ def test_a_copy_of_an_old_history_entry_made_after_planning_survives_the_sweep(
     repo.save(state(1, 2), "runs/r1/a")
     repo.save(state(3), "runs/r1/a")
     age_files(tmp_path, 7200)
+    # GC's "now" is a file mtime, which the kernel's coarse clock can put a few ms before the
+    # time.time() the ref history recorded; let the overwrite be clearly in the past.
+    time.sleep(0.05)
     plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=0))
     assert chunks_of(1, 2) <= set(plan.chunks) and plan.manifests
     repo.cp("runs/r1/a~1", "gates/restored", only=only)  # between planning and the sweep
