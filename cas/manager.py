@@ -331,6 +331,12 @@ class CheckpointManager:
         return meta
 
     def _write(self, prepared: _Prepared) -> SaveResult:
+        # One writer lease for the checkpoint, the history append and the pointer refs: a lease
+        # is a durable file write and delete, and holding one per commit doubled them per save.
+        with self._write_repo.leases.hold("checkpoint"):
+            return self._write_leased(prepared)
+
+    def _write_leased(self, prepared: _Prepared) -> SaveResult:
         start = time.perf_counter()
         try:
             digest = self._write_repo.save(

@@ -532,3 +532,27 @@ def test_the_cpu_copy_is_exact_for_every_layout_and_keeps_tied_tensors_tied() ->
         assert np.array_equal(copy["array"], state["array"])
         assert copy["tied"][0] is copy["tied"][1] and copy["tied"][0] is not tied
         state["bf16"].add_(1)
+
+
+def test_a_save_commits_checkpoint_history_and_latest_under_one_writer_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cas.leases import WriterLease
+
+    acquired: list[str] = []
+    real_acquire = WriterLease.acquire
+
+    def counted(self: WriterLease) -> WriterLease:
+        acquired.append(self.purpose)
+        return real_acquire(self)
+
+    monkeypatch.setattr(WriterLease, "acquire", counted)
+    repo = cas.open(tmp_path / "store")
+    model, opt = make_model()
+    with CheckpointManager(repo, run="runs/one-lease", signals=False, best=("loss", "min")) as mgr:
+        for step in (1, 2):
+            loss = train_step(model, opt)
+            mgr.save(step, state_of(model, opt), {"loss": loss}).result()
+    assert acquired == ["checkpoint", "checkpoint"]
+    assert mgr.latest() is not None and len(mgr.history) >= 2
+    assert list(repo.blobs.list("leases/")) == []  # released after each save
