@@ -177,10 +177,12 @@ class CheckpointManager:
         if async_save:
             self._writer = AsyncWriter(max_in_flight, nice=background_nice)
             # Its own chunk workers, started from the low-priority save thread, so they inherit
-            # that priority; the store (blobs) is shared.
+            # that priority; the same blobs, written past the page cache where the store can
+            # (a local store's O_DIRECT halves what a save takes from the loop, docs/design.md).
             self._write_repo = Repository(
-                repo.blobs, repo.config, clock=repo.clock, workers=background_workers
-            )
+                repo.blobs.for_background_writes(), repo.config, clock=repo.clock,
+                workers=background_workers,
+            )  # fmt: skip
         self._write_history = TrainingHistory(self._write_repo, self.history.ref)
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None

@@ -1,4 +1,4 @@
-"""Large local writes go to the disk with O_DIRECT, exactly, and fall back where it is refused."""
+"""Background checkpoint writes go to the disk with O_DIRECT, exactly, and fall back where refused."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import cas.blobstore.direct as direct
 from cas.blobstore.local import TMP_DIR, LocalBlobStore
 from cas.errors import BackendError
+from cas.objects import chunk_key
 
 pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this platform has no O_DIRECT")
 
@@ -38,7 +39,7 @@ def temp_files(store: LocalBlobStore) -> list[Path]:
 def test_a_large_blob_is_written_past_the_page_cache_and_reads_back_exactly(
     tmp_path: Path, sizes: list[int]
 ) -> None:
-    store = LocalBlobStore(tmp_path / "store")
+    store = LocalBlobStore(tmp_path / "store").for_background_writes()
     parts = [os.urandom(n) for n in sizes]
     assert store.put_new_parts("chunks/ab/new", parts)
     store.put_parts("manifests/whole", parts)
@@ -53,16 +54,45 @@ def test_a_large_blob_is_written_past_the_page_cache_and_reads_back_exactly(
     assert not in_page_cache(store.path_of("fresh"), sum(sizes))
 
 
-def test_small_blobs_and_direct_io_off_go_through_the_page_cache(tmp_path: Path) -> None:
-    small = LocalBlobStore(tmp_path / "small")
+def test_small_blobs_and_ordinary_stores_go_through_the_page_cache(tmp_path: Path) -> None:
+    small = LocalBlobStore(tmp_path / "small", direct_io=True)
     small.put("ref", b"x" * 4096)
     assert in_page_cache(small.path_of("ref"), 4096)
 
     big = os.urandom(2 << 20)
-    buffered = LocalBlobStore(tmp_path / "buffered", direct_io=False)
+    buffered = LocalBlobStore(tmp_path / "buffered")  # a foreground store: read back soon
+    assert not buffered.direct_io
     buffered.put("big", big)
     assert in_page_cache(buffered.path_of("big"), len(big))
     assert buffered.get("big") == big
+    background = buffered.for_background_writes()
+    assert background.direct_io and background.root == buffered.root
+    assert background.get("big") == big
+
+
+def test_a_managers_background_saves_skip_the_page_cache_and_plain_saves_do_not(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    import cas
+    from cas.manager import CheckpointManager
+
+    repo = cas.open(tmp_path / "store")
+    state = {"w": torch.randn(1 << 19)}  # 2 MiB: one chunk
+    repo.save(state, "plain/ckpt")
+    with CheckpointManager(repo, run="runs/bg", signals=False, capture_rng=False) as mgr:
+        ref = mgr.save(1, {"w": state["w"] + 1}).result().ref
+
+    def chunk_files(name: str) -> list[Path]:
+        chunks = [c for t in repo.manifest(name).tensors for c in t.chunks]
+        return [repo.blobs.path_of(chunk_key(c.digest)) for c in chunks]
+
+    plain, background = chunk_files("plain/ckpt"), chunk_files(ref)
+    assert plain and background
+    assert all(in_page_cache(p, p.stat().st_size) for p in plain)
+    assert not any(in_page_cache(p, p.stat().st_size) for p in background)
+    assert torch.equal(repo.load(ref)["state"]["w"], state["w"] + 1)
 
 
 def test_a_filesystem_refusing_o_direct_gets_buffered_writes_from_then_on(
@@ -78,7 +108,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes_from_then_on(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(direct.os, "open", refusing_open)
-    store = LocalBlobStore(tmp_path / "store")
+    store = LocalBlobStore(tmp_path / "store", direct_io=True)
     data = [os.urandom(3 << 20) for _ in range(2)]
     store.put("a", data[0])
     assert not store.direct_io
@@ -91,7 +121,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes_from_then_on(
 def test_a_direct_write_that_fails_leaves_no_temp_file_and_no_blob(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = LocalBlobStore(tmp_path / "store")
+    store = LocalBlobStore(tmp_path / "store", direct_io=True)
 
     def full_disk(fd: int, data: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")

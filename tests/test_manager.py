@@ -123,10 +123,28 @@ def test_async_save_keeps_the_state_as_it_was_when_save_returned(repo: cas.Repos
     assert result.blocking_seconds < 5 and result.logical_bytes > 0
 
 
+class Switches:
+    """Fault switches shared by a store and the handles it gives out (``for_background_writes``
+    copies the store, so a plain attribute set later would reach only the original)."""
+
+    failing = False
+    delay = 0.0
+
+
 class FailingChunks(LocalBlobStore):
     """Chunk writes fail while ``failing`` is set."""
 
-    failing = False
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.switches = Switches()
+
+    @property
+    def failing(self) -> bool:
+        return self.switches.failing
+
+    @failing.setter
+    def failing(self, value: bool) -> None:
+        self.switches.failing = value
 
     def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         if self.failing and key.startswith("chunks/"):
@@ -135,7 +153,17 @@ class FailingChunks(LocalBlobStore):
 
 
 class SlowChunks(LocalBlobStore):
-    delay = 0.0
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.switches = Switches()
+
+    @property
+    def delay(self) -> float:
+        return self.switches.delay
+
+    @delay.setter
+    def delay(self, value: float) -> None:
+        self.switches.delay = value
 
     def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         if key.startswith("chunks/"):

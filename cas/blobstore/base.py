@@ -175,6 +175,12 @@ class BlobStore(ABC):
     def sync(self) -> None:
         """Make every completed ``put`` durable. A no-op where puts are durable already."""
 
+    def for_background_writes(self) -> BlobStore:
+        """The store to give a writer whose blobs nobody reads back soon (a training loop's
+        checkpoint stream): the same blobs, possibly written by a cheaper path. By default, itself.
+        """
+        return self
+
     def list_info(self, prefix: str = "") -> Iterator[BlobInfo]:
         """Yield ``BlobInfo`` for every key under ``prefix``; backends may batch this."""
         for key in self.list(prefix):

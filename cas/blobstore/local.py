@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import os
@@ -30,13 +31,15 @@ class LocalBlobStore(BlobStore):
     ``put`` are fsynced by ``sync``; conditional writes hold an ``flock`` on a per-key lock file
     and fsync at once.
 
-    Blobs from 1 MiB to 64 MiB (chunks, in practice) are written with ``O_DIRECT`` where the
-    filesystem takes it (``cas.blobstore.direct``), so a save does not grow the page cache by its
-    own size; ``direct_io=False`` writes everything through the page cache.
+    With ``direct_io=True`` (what ``for_background_writes`` returns) blobs from 1 MiB to 64 MiB,
+    chunks in practice, are written with ``O_DIRECT`` where the filesystem takes it
+    (``cas.blobstore.direct``): a background save then costs a training loop far less CPU, but
+    what it wrote is not in the page cache and reads back slower at first, so it is not the
+    default.
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, fsync: bool = True, direct_io: bool = True
+        self, root: str | os.PathLike[str], *, fsync: bool = True, direct_io: bool = False
     ) -> None:
         self.root = Path(root).absolute()
         self.url = self.root.as_uri()
@@ -116,6 +119,21 @@ class LocalBlobStore(BlobStore):
         if parent not in self._known_dirs:
             parent.mkdir(parents=True, exist_ok=True)
             self._known_dirs.add(parent)
+
+    def for_background_writes(self) -> LocalBlobStore:
+        """A second handle on the same directory whose large blobs go past the page cache.
+
+        A shallow copy, so a subclass keeps its type and overrides; like a second process, it
+        shares only the files (writes are atomic and create-only, refs take ``flock``).
+        """
+        if self._direct_io:
+            return self
+        handle = copy.copy(self)
+        handle._direct_io = True
+        handle._aligned = AlignedBuffers()
+        handle._dirty_dirs = set()
+        handle._dirty_lock = threading.Lock()
+        return handle
 
     @property
     def direct_io(self) -> bool:
