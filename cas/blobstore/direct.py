@@ -22,6 +22,8 @@ import os
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 ALIGN = 4096
 """Covers 512-byte and 4 KiB logical blocks, and the page size ``O_DIRECT`` asks of most filesystems."""
 DIRECT_MIN = 1 << 20
@@ -79,12 +81,15 @@ def write_direct(
     buffer = buffers.get(padded)
     view = memoryview(buffer)
     try:
+        # numpy copies with the GIL released; a memoryview slice assignment holds it for the
+        # whole copy, which stalls a training loop's Python between its ops.
+        aligned = np.frombuffer(buffer, dtype=np.uint8, count=padded)
         at = 0
         for part in parts:
-            data = memoryview(part).cast("B")
-            view[at : at + len(data)] = data
+            data = np.frombuffer(part, dtype=np.uint8)
+            aligned[at : at + len(data)] = data
             at += len(data)
-        view[at:padded] = bytes(padded - at)
+        aligned[at:padded] = 0
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o644)
         except OSError as e:
