@@ -3,8 +3,8 @@
 A buffered write copies every byte into the page cache and grows it by a checkpoint's size each
 save; the kernel then writes it back. On a 2-core machine that runs training on both cores, this
 kernel work is what a background save costs the loop. Measured on a 25 MB AdamW state saved every
-50 steps (``scripts/bench_manager.py``, batch 64), the loop lost 15-19% to buffered writes and
-7-9% to direct ones; one 25 MB write cost 7-52 ms of system CPU buffered against 5-6 ms direct
+50 steps (``scripts/bench_manager.py``, batch 64), the loop lost 13-19% to buffered writes and
+6-9% to direct ones; one 25 MB write cost 7-52 ms of system CPU buffered against 5-6 ms direct
 (docs/design.md).
 
 ``O_DIRECT`` wants the memory address, the file offset and the length aligned to the device's
@@ -78,44 +78,35 @@ def write_direct(
     any other OSError also leaves no file.
     """
     padded = _aligned(total)
-    buffer = buffers.get(padded)
-    view = memoryview(buffer)
+    # numpy copies with the GIL released; a memoryview slice assignment holds it for the whole
+    # copy, which stalls a training loop's Python between its ops.
+    aligned = np.frombuffer(buffers.get(padded), dtype=np.uint8, count=padded)
+    at = 0
+    for part in parts:
+        data = np.frombuffer(part, dtype=np.uint8)
+        aligned[at : at + len(data)] = data
+        at += len(data)
+    aligned[at:padded] = 0
     try:
-        # numpy copies with the GIL released; a memoryview slice assignment holds it for the
-        # whole copy, which stalls a training loop's Python between its ops.
-        aligned = np.frombuffer(buffer, dtype=np.uint8, count=padded)
-        at = 0
-        for part in parts:
-            data = np.frombuffer(part, dtype=np.uint8)
-            aligned[at : at + len(data)] = data
-            at += len(data)
-        aligned[at:padded] = 0
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o644)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                raise DirectIOUnsupported(e.errno, f"{path}: O_DIRECT refused") from e
-            raise
-        try:
-            written = 0
-            while written < padded:
-                written += os.write(fd, view[written:padded])
-            os.ftruncate(fd, total)
-            if fsync:
-                os.fsync(fd)
-        except OSError as e:
-            os.close(fd)
-            os.unlink(path)
-            if e.errno == errno.EINVAL:
-                raise DirectIOUnsupported(e.errno, f"{path}: O_DIRECT write refused") from e
-            raise
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise DirectIOUnsupported(e.errno, f"{path}: O_DIRECT refused") from e
+        raise
+    try:
+        written = 0
+        while written < padded:
+            written += os.write(fd, aligned.data[written:padded])
+        os.ftruncate(fd, total)
+        if fsync:
+            os.fsync(fd)
+    except BaseException as e:
         os.close(fd)
-    finally:
-        view.release()
+        os.unlink(path)
+        if isinstance(e, OSError) and e.errno == errno.EINVAL:
+            raise DirectIOUnsupported(e.errno, f"{path}: O_DIRECT write refused") from e
+        raise
+    os.close(fd)
 
 
 def _aligned(size: int) -> int:
