@@ -124,66 +124,41 @@ def test_async_save_keeps_the_state_as_it_was_when_save_returned(repo: cas.Repos
 
 
 class Switches:
-    """Fault switches shared by a store and the handles it gives out (``for_background_writes``
+    """Fault switches, shared by a store and the handles it gives out (``for_background_writes``
     copies the store, so a plain attribute set later would reach only the original)."""
 
     failing = False
     delay = 0.0
 
 
-class FailingChunks(LocalBlobStore):
-    """Chunk writes fail while ``failing`` is set."""
+class SwitchedChunks(LocalBlobStore):
+    """A local store whose chunk writes obey ``switches``: fail while ``failing``, sleep ``delay``."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.switches = Switches()
-
-    @property
-    def failing(self) -> bool:
-        return self.switches.failing
-
-    @failing.setter
-    def failing(self, value: bool) -> None:
-        self.switches.failing = value
-
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
-        if self.failing and key.startswith("chunks/"):
-            raise cas.BackendError("disk full (injected)")
-        return super().put_new_parts(key, parts)
-
-
-class SlowChunks(LocalBlobStore):
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.switches = Switches()
-
-    @property
-    def delay(self) -> float:
-        return self.switches.delay
-
-    @delay.setter
-    def delay(self, value: float) -> None:
-        self.switches.delay = value
 
     def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         if key.startswith("chunks/"):
-            time.sleep(self.delay)
+            if self.switches.failing:
+                raise cas.BackendError("disk full (injected)")
+            time.sleep(self.switches.delay)
         return super().put_new_parts(key, parts)
 
 
 def test_a_background_failure_is_raised_at_the_next_save_and_latest_stays(tmp_path: Path) -> None:
     base = cas.open(tmp_path / "store")
-    blobs = FailingChunks(tmp_path / "store")
+    blobs = SwitchedChunks(tmp_path / "store")
     repo = cas.Repository(blobs, base.config)
     model, opt = make_model()
     mgr = manager(repo)
     first = mgr.save(1, state_of(model, opt)).result()
     train_step(model, opt)
-    blobs.failing = True
+    blobs.switches.failing = True
     doomed = mgr.save(2, state_of(model, opt))
     with pytest.raises(cas.BackendError):
         doomed.result()
-    blobs.failing = False
+    blobs.switches.failing = False
     with pytest.raises(AsyncSaveError, match="disk full"):
         mgr.save(3, state_of(model, opt))
     assert repo.resolve("runs/r1/latest") == first.digest
@@ -214,16 +189,16 @@ def test_records_of_a_failed_save_go_into_the_history_with_the_next_one(
     tmp_path: Path, async_save: bool
 ) -> None:
     base = cas.open(tmp_path / "store")
-    blobs = FailingChunks(tmp_path / "store")
+    blobs = SwitchedChunks(tmp_path / "store")
     repo = cas.Repository(blobs, base.config)
     model, opt = make_model()
     mgr = manager(repo, async_save=async_save)
     mgr.record(1, loss=0.9)
     mgr.record(2, loss=0.8)
-    blobs.failing = True
+    blobs.switches.failing = True
     with pytest.raises(cas.BackendError):
         mgr.save(2, state_of(model, opt)).result()
-    blobs.failing = False
+    blobs.switches.failing = False
     mgr.record(3, loss=0.7)
     try:
         mgr.save(3, state_of(model, opt))
@@ -252,11 +227,11 @@ def test_a_retention_policy_that_cannot_run_does_not_fail_the_committed_save(
 
 def test_a_failure_nobody_waited_for_is_raised_by_close(tmp_path: Path) -> None:
     base = cas.open(tmp_path / "store")
-    blobs = FailingChunks(tmp_path / "store")
+    blobs = SwitchedChunks(tmp_path / "store")
     repo = cas.Repository(blobs, base.config)
     model, opt = make_model()
     mgr = manager(repo)
-    blobs.failing = True
+    blobs.switches.failing = True
     mgr.save(1, state_of(model, opt))
     with pytest.raises(AsyncSaveError):
         mgr.close()
@@ -264,18 +239,18 @@ def test_a_failure_nobody_waited_for_is_raised_by_close(tmp_path: Path) -> None:
 
 def test_back_pressure_blocks_a_save_while_the_previous_one_is_written(tmp_path: Path) -> None:
     base = cas.open(tmp_path / "store", config=StoreConfig(chunk_size=16 << 10))
-    blobs = SlowChunks(tmp_path / "store")
+    blobs = SwitchedChunks(tmp_path / "store")
     repo = cas.Repository(blobs, base.config)
     model, opt = make_model()
     train_step(model, opt)
     with manager(repo, max_in_flight=1) as mgr:
-        blobs.delay = 0.05
+        blobs.switches.delay = 0.05
         first = mgr.save(1, state_of(model, opt))
         assert first.blocking_seconds < 0.05
         second = mgr.save(2, state_of(model, opt))
         assert first.done()
         assert second.blocking_seconds >= 0.05
-        blobs.delay = 0.0
+        blobs.switches.delay = 0.0
 
 
 def test_resume_restores_state_rng_and_continues_the_history(repo: cas.Repository) -> None:
