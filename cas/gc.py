@@ -297,14 +297,20 @@ def plan_gc(
         for record in records:
             roots.setdefault(record.target, f"ref {record.name!r}")
         current = set(roots)
+        segments: set[str] = set()
         for record in records:
             # An entry's age counts from when the ref moved on from it (git's reflog does the
             # same): a target overwritten a minute ago is kept however long it was current.
-            history = record.history
-            for i, event in enumerate(history):
-                ended = history[i + 1].time if i + 1 < len(history) else now
-                if ended >= now - settings.reflog_window:
-                    roots.setdefault(event.target, f"ref {record.name}~{len(history) - 1 - i}")
+            try:
+                for back, event in repo.refs_store.superseded_since(
+                    record, now, now - settings.reflog_window
+                ):
+                    roots.setdefault(event.target, f"ref {record.name}~{back}")
+            except CASError as e:
+                raise _refused(e, f"the history of ref {record.name!r} cannot be read") from e
+            for sealed in record.sealed:
+                segments.add(sealed.digest)
+                roots.setdefault(sealed.digest, f"ref {record.name!r} (sealed history)")
         manifest_infos = {
             digest: (size, mtime)
             for digest, size, mtime in sweeper.scan("manifests/", MANIFEST_KEY_RE)
@@ -326,7 +332,9 @@ def plan_gc(
         settings=settings,
         refs=len(records),
         root_manifests=found,
-        history_manifests=len({d for d in roots if d not in current and d not in young}),
+        history_manifests=len(
+            {d for d in roots if d not in current and d not in young and d not in segments}
+        ),
         young_manifests=len(young),
         live_leases=live,
         reachable_chunks=len(marked),

@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -509,12 +509,13 @@ class CheckpointManager:
         if mode == "fresh":
             rng_mod.seed_all(rng_mod.phase_seed(self.seed, self.phase))
             return Restored("fresh", None, phase=self.phase)
+        candidates: Iterable[tuple[str, Digest]]
         if source is not None:
             candidates = [(source, self.repo.resolve(source))]
+        elif self._latest_target is None:
+            raise NotFound(f"run {self.run} has no checkpoint to {mode.replace('_', ' ')} from")
         else:
             candidates = resume_candidates(self.repo, self.latest_ref)
-        if not candidates:
-            raise NotFound(f"run {self.run} has no checkpoint to {mode.replace('_', ' ')} from")
         check = self._check_config if mode == "resume" else None
         found = load_first_good(
             self.repo, candidates, keys=keys, map_location=map_location,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import mmap
 import os
 import time
@@ -409,10 +410,10 @@ class Repository:
             return record.target
         if not back.isdigit():
             raise InvalidName(f"bad ref spec {spec!r}: use NAME~N with N a number")
-        steps = int(back)
-        if steps >= len(record.history):
-            raise NotFound(f"ref {name!r} has only {len(record.history)} versions in its history")
-        return record.history[-1 - steps].target
+        event = self.refs_store.event(record, int(back))
+        if event is None:
+            raise NotFound(f"ref {name!r} has only {record.depth} versions in its history")
+        return event.target
 
     def manifest(self, spec: str) -> Manifest:
         """The decoded, verified manifest a ref (or digest) names."""
@@ -571,9 +572,9 @@ class Repository:
                 records.append(record)
         return records
 
-    def log(self, ref: str) -> list[RefEvent]:
-        """The ref's history, newest first."""
-        return list(reversed(self.refs_store.get(ref).history))
+    def log(self, ref: str, limit: int | None = None) -> list[RefEvent]:
+        """The ref's history, newest first (the newest ``limit`` events if given)."""
+        return list(itertools.islice(self.refs_store.events(self.refs_store.get(ref)), limit))
 
     @leased
     def cp(

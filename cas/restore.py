@@ -9,7 +9,7 @@ with a warning and recorded; an explicit source is never replaced by another.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,18 +67,19 @@ def unwrap(tree: Any, meta: Mapping[str, Any]) -> Any:
     return tree
 
 
-def resume_candidates(repo: Repository, latest_ref: str) -> list[tuple[str, Digest]]:
-    """``(checkpoint ref, digest)`` for every target ``latest_ref`` ever had, newest first."""
+def resume_candidates(repo: Repository, latest_ref: str) -> Iterator[tuple[str, Digest]]:
+    """``(checkpoint ref, digest)`` for every target ``latest_ref`` ever had, newest first.
+
+    Lazy: the first good candidate usually ends the walk, so sealed history is seldom read.
+    """
     record = repo.refs_store.try_get(latest_ref)
     if record is None:
-        return []
+        return
     seen: set[Digest] = set()
-    out = []
-    for event in reversed(record.history):
+    for event in repo.refs_store.events(record):
         if event.target not in seen:
             seen.add(event.target)
-            out.append((event.message or latest_ref, event.target))
-    return out
+            yield event.message or latest_ref, event.target
 
 
 def load_checkpoint(
@@ -103,7 +104,7 @@ def load_checkpoint(
 
 def load_first_good(
     repo: Repository,
-    candidates: Sequence[tuple[str, Digest]],
+    candidates: Iterable[tuple[str, Digest]],
     *,
     keys: str | Sequence[str] | None,
     map_location: str | torch.device | None,
@@ -138,6 +139,8 @@ def load_first_good(
             log.warning("checkpoint %s failed verification (%s); trying the one before it", ref, e)
             continue
         return Found(ref, digest, tree, meta, skipped)
+    if not skipped:
+        raise NotFound("there is no checkpoint to load")
     tried = "; ".join(f"{s.ref}: {s.reason}" for s in skipped)
     raise IntegrityError(f"every checkpoint failed verification: {tried}")
 

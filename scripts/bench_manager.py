@@ -27,6 +27,9 @@ import torch
 import cas
 from cas.manager import CheckpointManager
 
+LONG_RUN_EVENTS = 10_000
+"""Moves of ``latest`` (and of the history ref) before the long-run row is measured."""
+
 
 def build(width: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
@@ -72,7 +75,14 @@ def blocking_comparison(width: int, root: Path, repeats: int) -> dict[str, float
 
 
 def paired_windows(
-    width: int, batch: int, every: int, root: Path, pairs: int, nice: int, async_save: bool = True
+    width: int,
+    batch: int,
+    every: int,
+    root: Path,
+    pairs: int,
+    nice: int,
+    async_save: bool = True,
+    history_events: int = 0,
 ) -> dict[str, float]:
     """Overhead of one checkpoint on the ``every`` steps that follow it, window against window.
 
@@ -80,6 +90,8 @@ def paired_windows(
     background write overlapping the steps, then a wait for anything still unwritten), the
     next has no save. Each pair is compared on its own, so load from other processes cancels
     out; the median of the per-pair differences is the overhead of saving every ``every`` steps.
+    ``history_events`` first gives the run's ``latest`` and history refs that many moves, as a
+    long run's refs have (a save moves both).
     """
     model, opt = build(width)
     data = torch.randn(batch, width)
@@ -107,6 +119,11 @@ def paired_windows(
         return time.perf_counter() - start
 
     window(False), window(True)
+    mgr.wait()
+    for ref in (mgr.latest_ref, mgr.history.ref):
+        target = repo.resolve(ref)
+        for _ in range(history_events):
+            repo.refs_store.set(ref, target, op="bench")
     diffs, bases = [], []
     for i in range(pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
@@ -123,15 +140,14 @@ def paired_windows(
         "pairs": pairs,
         "window_ms": 1000 * statistics.median(bases),
         "blocking_ms": 1000 * statistics.median(blocking),
+        "ref_history_events": history_events,
     }
 
 
 def median_interval(values: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 95% bootstrap interval for the median of ``values`` (percentile method, fixed seed)."""
     rng = random.Random(seed)
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds)
-    )
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
     return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
@@ -147,7 +163,9 @@ def report(results: dict[str, Any]) -> None:
             f"{row['overhead_pct_ci95'][1]:.1f}]"
             for mode, row in rows.items()
         ]
-        print(f"  {batch:<9} window {rows['async_nice10']['window_ms']:.0f} ms   " + "   ".join(cells))
+        print(
+            f"  {batch:<9} window {rows['async_nice10']['window_ms']:.0f} ms   " + "   ".join(cells)
+        )
     print(f"  one save blocks the loop: cas async {results['async_save_blocking_ms']:.1f} ms "
           f"(background write {results['async_save_background_write_ms']:.1f} ms), "
           f"torch.save {results['torch_save_sync_ms']:.1f} ms")  # fmt: skip
@@ -179,6 +197,10 @@ def run(quick: bool = False) -> dict[str, Any]:
                 "async_nice0": paired_windows(width, batch, every, root, pairs, 0),
                 "sync": paired_windows(width, batch, every, root, pairs, 0, async_save=False),
             }
+        # A long run: a save every 0.5 s moves latest 10,000 times in under 1.5 hours.
+        results["batch64"]["async_nice10_long_run"] = paired_windows(
+            width, 64, every, root, 6 if quick else 30, 10, history_events=LONG_RUN_EVENTS
+        )
         results.update(blocking_comparison(width, root, 5 if quick else 15))
     results.update(
         torch_threads=torch.get_num_threads(), cpus=os.cpu_count(),

@@ -251,12 +251,19 @@ def show(obj: Context, ref: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("ref")
+@click.option(
+    "-n",
+    "--max-count",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Show only the newest N entries (a ref keeps up to 10,000).",
+)
 @json_option
 @pass_ctx
-def log(obj: Context, ref: str, as_json: bool) -> None:
+def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     """History of REF, newest first (REF~N addresses entry N)."""
     repo = obj.open(create=False, readonly=True)
-    events = repo.log(ref)
+    events = repo.log(ref, max_count)
     if as_json:
         emit_json(
             [
