@@ -11,6 +11,8 @@ background is kept and raised by the next ``submit``, ``wait`` or ``close``: it 
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 import os
 import sys
 import threading
@@ -23,10 +25,22 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
+from cas.blobstore.direct import DIRECT_MIN
 from cas.errors import CASError
+from cas.objects import HEADER_SIZE
 
 T = TypeVar("T")
 P = TypeVar("P")
+
+STAGING_OFFSET = HEADER_SIZE
+"""How far past a page boundary a large staged tensor starts: a raw chunk's header length.
+
+Chunks are cut from a tensor's first byte at multiples of the chunk size (a multiple of a page
+unless a store chose otherwise), and a raw chunk is stored as this header followed by its bytes, so
+every payload then sits in memory where it goes in the file modulo a page, and ``write_direct``
+sends it to the disk from where it lies instead of copying it into an aligned buffer
+(cas.blobstore.direct).
+"""
 
 
 class AsyncSaveError(CASError):
@@ -76,8 +90,10 @@ class Stager:
             source = tensor.detach()
             buffer = staging.buffers.get(ordinal)
             if buffer is None or buffer.dtype != source.dtype or buffer.shape != source.shape:
-                pin = self.pin_memory and source.device.type != "cpu"
-                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
+                if self.pin_memory and source.device.type != "cpu":
+                    buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+                else:
+                    buffer = staging_tensor(source.shape, source.dtype)
                 staging.buffers[ordinal] = buffer
             if source.device.type != "cpu":
                 buffer.copy_(source, non_blocking=buffer.is_pinned())
@@ -211,6 +227,20 @@ class AsyncWriter(Generic[T]):
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+
+
+def staging_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor that starts ``STAGING_OFFSET`` bytes past a page boundary.
+
+    Only when its chunks can be large enough for direct writes: a smaller one would waste most of
+    a page and a mapping of its own for nothing. Every dtype's item size divides the offset.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if STAGING_OFFSET + nbytes < DIRECT_MIN:
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, STAGING_OFFSET + nbytes)  # the tensor keeps it mapped
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=STAGING_OFFSET)
+    return flat.view(dtype).reshape(shape)
 
 
 def lower_thread_priority(increment: int) -> None:

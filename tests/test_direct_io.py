@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import cas.blobstore.direct as direct
 from cas.blobstore.local import TMP_DIR, LocalBlobStore
 from cas.errors import BackendError
-from cas.objects import chunk_key
+from cas.objects import HEADER_SIZE, chunk_key
 
 pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this platform has no O_DIRECT")
 
@@ -29,6 +33,112 @@ def in_page_cache(path: Path, size: int) -> bool:
 
 def temp_files(store: LocalBlobStore) -> list[Path]:
     return [p for p in (store.root / TMP_DIR).iterdir() if p.is_file()]
+
+
+def address(buffer: bytes | memoryview) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+def random_at(residue: int, size: int) -> memoryview:
+    """``size`` random bytes whose first one sits ``residue`` bytes past a page boundary."""
+    region = mmap.mmap(-1, residue + size + 1)
+    region[residue : residue + size] = os.urandom(size)
+    return memoryview(region)[residue : residue + size]
+
+
+Iovecs = list[tuple[int, int]]
+
+
+def record_iovecs(monkeypatch: pytest.MonkeyPatch, cap: int | None = None) -> list[Iovecs]:
+    """Each ``pwritev`` call's buffers as ``(address, nbytes)``; with ``cap``, every call writes
+    at most ``cap`` bytes, as a short write would."""
+    calls: list[Iovecs] = []
+    real_pwritev = os.pwritev
+
+    def pwritev(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        calls.append([(address(b), memoryview(b).nbytes) for b in buffers])
+        return real_pwritev(fd, buffers if cap is None else shortened(buffers, cap), offset)
+
+    monkeypatch.setattr(direct.os, "pwritev", pwritev)
+    return calls
+
+
+def shortened(buffers: Sequence[memoryview], cap: int) -> list[memoryview]:
+    """The first ``cap`` bytes of ``buffers``, cut where they end."""
+    out = []
+    for buffer in buffers:
+        if cap <= 0:
+            break
+        out.append(memoryview(buffer)[:cap])
+        cap -= out[-1].nbytes
+    return out
+
+
+def bytes_handed_from(calls: list[Iovecs], memory: Sequence[memoryview]) -> int:
+    """Bytes ``pwritev`` was given straight from ``memory`` rather than from a copy."""
+    ranges = [(address(m), address(m) + m.nbytes) for m in memory]
+    return sum(
+        n for call in calls for at, n in call if any(lo <= at and at + n <= hi for lo, hi in ranges)
+    )
+
+
+def whole_blocks(offset: int, size: int) -> int:
+    """Bytes of ``ALIGN`` blocks lying wholly inside ``[offset, offset + size)``."""
+    align = direct.ALIGN
+    return max(0, (offset + size) // align * align - -(-offset // align) * align)
+
+
+MiB = 1 << 20
+HEADER = (HEADER_SIZE, False)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [HEADER],
+        [(0, True)],
+        [HEADER, (1, True)],
+        [HEADER, (4095, True)],
+        [HEADER, (4096 - HEADER_SIZE, True)],
+        [HEADER, (4096, True)],
+        [HEADER, (4097, True)],
+        [HEADER, (4 * MiB, True)],
+        [HEADER, (4 * MiB, False)],
+        [(3 * 4096, True)],
+        [(4096, True), (0, True), (4096, True)],
+        [HEADER, (2 * MiB + 5, True), (MiB + 3, False), (8191, True), (3 * MiB, True)],
+    ],
+    ids=lambda layout: "+".join(f"{n}{'c' if c else 'i'}" for n, c in layout),
+)
+def test_direct_writes_send_congruent_blocks_from_where_they_lie_and_copy_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: list[tuple[int, bool]]
+) -> None:
+    """``(size, congruent)``: a congruent part sits in memory where it goes in the file, modulo
+    ``ALIGN``; the others sit 8 bytes off."""
+    calls = record_iovecs(monkeypatch)
+    parts, in_place, offset = [], 0, 0
+    for size, congruent in layout:
+        parts.append(random_at((offset + (0 if congruent else 8)) % direct.ALIGN, size))
+        in_place += whole_blocks(offset, size) if congruent else 0
+        offset += size
+    path = tmp_path / "blob"
+    direct.write_direct(path, parts, offset, direct.AlignedBuffers(), fsync=False)
+    assert path.read_bytes() == b"".join(parts)
+    assert bytes_handed_from(calls, parts) == in_place
+    assert sum(n for call in calls for _, n in call) == max(direct.ALIGN, -(-offset // 4096) * 4096)
+
+
+@pytest.mark.parametrize("iov_max", [1, 2, 3])
+def test_a_direct_write_goes_on_after_short_writes_and_splits_at_the_iovec_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iov_max: int
+) -> None:
+    monkeypatch.setattr(direct, "IOV_MAX", iov_max)
+    calls = record_iovecs(monkeypatch, cap=3 * direct.ALIGN)  # stops inside the in-place run
+    parts = [random_at(0, HEADER_SIZE), random_at(HEADER_SIZE, MiB + 100)]
+    path = tmp_path / "blob"
+    direct.write_direct(path, parts, MiB + 116, direct.AlignedBuffers(), fsync=False)
+    assert path.read_bytes() == b"".join(parts)
+    assert len(calls) > 2 and all(len(call) <= iov_max for call in calls)
 
 
 @pytest.mark.parametrize(
@@ -123,12 +233,79 @@ def test_a_direct_write_that_fails_leaves_no_temp_file_and_no_blob(
 ) -> None:
     store = LocalBlobStore(tmp_path / "store", direct_io=True)
 
-    def full_disk(fd: int, data: object) -> int:
+    def full_disk(fd: int, buffers: object, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(direct.os, "write", full_disk)
+    monkeypatch.setattr(direct.os, "pwritev", full_disk)
     with pytest.raises(BackendError, match="No space left"):
         store.put_new_parts("chunks/ab/c", [os.urandom(2 << 20)])
     assert not store.has("chunks/ab/c")
     assert temp_files(store) == []
     assert store.direct_io  # a full disk says nothing about O_DIRECT support
+
+
+def test_the_stager_starts_large_tensors_where_their_raw_chunks_write_in_place() -> None:
+    import torch
+
+    from cas.async_save import Stager
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.bool, torch.complex128]
+    large = {str(dtype): torch.ones(MiB // dtype.itemsize, dtype=dtype) for dtype in dtypes}
+    state = {
+        **large,
+        "matrix": torch.randn(1024, 512).t(),  # not contiguous: staged by torch's copy
+        "small": torch.randn(3),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, MiB),
+    }
+    stager = Stager(pin_memory=False)
+    staging = stager.acquire()
+    first = stager.snapshot(state, staging)
+    for key, tensor in state.items():
+        state[key] = tensor + 1 if tensor.dtype != torch.bool else ~tensor
+    again = stager.snapshot(state, staging)
+    for key, tensor in state.items():
+        assert again[key].dtype == tensor.dtype and torch.equal(again[key], tensor), key
+    for key in [*large, "matrix"]:
+        assert again[key].data_ptr() % direct.ALIGN == HEADER_SIZE, key
+        assert again[key].data_ptr() == first[key].data_ptr(), key  # reused, not reallocated
+
+
+def test_an_async_save_writes_its_chunks_from_the_staging_buffers_without_copying_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    import cas
+    from cas.async_save import Stager, StagingSet
+    from cas.manager import CheckpointManager
+
+    staged: list[memoryview] = []
+    real_snapshot = Stager.snapshot
+
+    def snapshot(self: Stager, state: object, staging: StagingSet) -> object:
+        copied = real_snapshot(self, state, staging)
+        staged.extend(memoryview(t.view(-1).view(torch.uint8).numpy()) for t in leaves(copied))
+        return copied
+
+    monkeypatch.setattr(Stager, "snapshot", snapshot)
+    calls = record_iovecs(monkeypatch)
+    repo = cas.open(tmp_path / "store")
+    state = {"w": torch.randn(2 * MiB // 4), "b": torch.randn(16)}  # one 2 MiB chunk, one inline
+    with CheckpointManager(repo, run="runs/bg", signals=False, capture_rng=False) as mgr:
+        ref = mgr.save(1, state).result().ref
+    assert torch.equal(repo.load(ref)["state"]["w"], state["w"])
+    # All but the chunk's first block (header + 4080 bytes) and last (16 bytes + padding).
+    assert bytes_handed_from(calls, staged) == 2 * MiB - direct.ALIGN
+
+
+def leaves(tree: object) -> list[Any]:
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in leaves(value)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for value in tree for leaf in leaves(value)]
+    return []
