@@ -253,29 +253,19 @@ class RefStore:
 
     def segment(self, record: RefRecord, sealed: SealedHistory) -> tuple[RefEvent, ...]:
         """The events of one of ``record``'s sealed segments, oldest first, verified."""
+        where = f"ref {record.name!r}: history segment {sealed.digest}"
         try:
-            manifest = decode_manifest(self.objects.get_manifest(sealed.digest))
-            meta = manifest.meta
-            if meta.get(REFLOG_MARK) != 1 or meta.get("ref") != record.name:
-                raise FormatError("it is not a history segment of this ref")
-            events = _unpack_events(meta["events"])
-        except NotFound as e:
-            raise NotFound(
-                f"ref {record.name!r}: history segment {sealed.digest} is missing"
-            ) from e
+            meta = decode_manifest(self.objects.get_manifest(sealed.digest)).meta
         except CASError as e:
-            raise FormatError(
-                f"ref {record.name!r}: history segment {sealed.digest} is unreadable: {e}"
-            ) from e
+            raise type(e)(f"{where}: {e}") from e
+        if meta.get(REFLOG_MARK) != 1 or meta.get("ref") != record.name:
+            raise FormatError(f"{where} is not a history segment of this ref")
+        try:
+            events = _unpack_events(meta["events"])
         except Exception as e:
-            raise FormatError(
-                f"ref {record.name!r}: history segment {sealed.digest} is corrupt: {e}"
-            ) from e
+            raise FormatError(f"{where} is corrupt: {e}") from e
         if len(events) != sealed.count:
-            raise FormatError(
-                f"ref {record.name!r}: history segment {sealed.digest} holds {len(events)} "
-                f"events, the record says {sealed.count}"
-            )
+            raise FormatError(f"{where} holds {len(events)} events, the record says {sealed.count}")
         return events
 
     def events(self, record: RefRecord) -> Iterator[RefEvent]:
@@ -318,7 +308,9 @@ class RefStore:
                         yield back + len(events) - 1 - i, event
                 newer_time = events[0].time
             else:
-                newer_time = -math.inf  # unread: its first event's time is not known here
+                # Unread: its first event began before it was superseded, before ``since``,
+                # so the older segment's last event also ended before ``since``.
+                newer_time = -math.inf
             back += sealed.count
 
     def delete(

@@ -119,28 +119,31 @@ def test_a_missing_or_foreign_segment_is_a_clear_error(
     with pytest.raises(FormatError, match="not a history segment of this ref"):
         list(repo.refs_store.events(forged))
     repo.blobs.delete(manifest_key(a.sealed[-1].digest))
-    with pytest.raises(NotFound, match=r"ref 'a': history segment \w+ is missing"):
+    with pytest.raises(NotFound, match=r"ref 'a': history segment \w+: manifest \w+ is missing"):
         list(repo.refs_store.events(a))
     assert repo.resolve("a~0") == digests[0]  # the inline part still reads
 
 
-def saved_every_minute(repo: cas.Repository, clock: FakeClock, count: int) -> list[Digest]:
-    """``count`` checkpoints saved to ``runs/r/latest`` one minute apart, each its own chunks."""
+def saved_every_minute(
+    monkeypatch: pytest.MonkeyPatch, count: int = 20
+) -> tuple[cas.Repository, FakeClock, list[Digest]]:
+    """A memory store (small sealing) with ``count`` checkpoints saved to ``runs/r/latest`` one
+    minute apart, each with its own chunks."""
+    small_sealing(monkeypatch)
+    clock = FakeClock(1_000_000.0)
+    repo = memory_repo(clock)
     digests = []
     for i in range(count):
         if i:
             clock.advance(60)
         digests.append(repo.save({"t": tensor(i, 8192)}, "runs/r/latest"))
-    return digests
+    return repo, clock, digests
 
 
 def test_gc_reads_sealed_history_inside_the_reflog_window_and_keeps_the_segments(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    small_sealing(monkeypatch)
-    clock = FakeClock(1_000_000.0)
-    repo = memory_repo(clock)
-    digests = saved_every_minute(repo, clock, 20)
+    repo, _, digests = saved_every_minute(monkeypatch)
     record = repo.refs_store.get("runs/r/latest")
     assert len(record.history) <= 8 and record.depth == 20
     # Save i was current from minute i to minute i + 1; the window reaches back to minute 4, so
@@ -157,10 +160,7 @@ def test_gc_reads_sealed_history_inside_the_reflog_window_and_keeps_the_segments
 
 
 def test_gc_sweeps_the_segments_of_a_deleted_ref(monkeypatch: pytest.MonkeyPatch) -> None:
-    small_sealing(monkeypatch)
-    clock = FakeClock(1_000_000.0)
-    repo = memory_repo(clock)
-    saved_every_minute(repo, clock, 20)
+    repo, clock, _ = saved_every_minute(monkeypatch)
     sealed = repo.refs_store.get("runs/r/latest").sealed
     repo.rm("runs/r/latest")
     clock.advance(1)
@@ -172,10 +172,7 @@ def test_gc_sweeps_the_segments_of_a_deleted_ref(monkeypatch: pytest.MonkeyPatch
 def test_gc_refuses_when_a_segment_inside_the_window_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    small_sealing(monkeypatch)
-    clock = FakeClock(1_000_000.0)
-    repo = memory_repo(clock)
-    saved_every_minute(repo, clock, 20)
+    repo, clock, _ = saved_every_minute(monkeypatch)
     record = repo.refs_store.get("runs/r/latest")
     oldest = record.sealed[0]
     repo.blobs.delete(manifest_key(oldest.digest))
