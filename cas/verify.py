@@ -1,8 +1,8 @@
 """Verification: every selected ref's manifest decodes and its chunks exist, or are re-hashed.
 
-Levels, cheapest first: ``structure`` (manifests and refs parse), ``existence`` (every chunk a
-manifest names is present), ``sample`` (re-hash a rotating PCT% of chunks; successive runs cover
-the whole store), ``full`` (re-read and re-hash every chunk).
+Levels, cheapest first: ``structure`` (manifests, refs and their sealed history segments parse),
+``existence`` (every chunk a manifest names is present), ``sample`` (re-hash a rotating PCT% of
+chunks; successive runs cover the whole store), ``full`` (re-read and re-hash every chunk).
 """
 
 from __future__ import annotations
@@ -79,10 +79,16 @@ def verify(
     for name in names:
         report.refs += 1
         try:
-            target = repo.refs_store.get(name).target
+            record = repo.refs_store.get(name)
         except CASError as e:
             report.problems.append(Problem(name, "bad-ref", str(e)))
             continue
+        for sealed in record.sealed:
+            try:
+                repo.refs_store.segment(record, sealed)
+            except CASError as e:
+                report.problems.append(Problem(name, "bad-history", str(e)))
+        target = record.target
         if target in seen_manifests:
             continue
         seen_manifests.add(target)

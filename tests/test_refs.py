@@ -19,6 +19,7 @@ from cas.gc import GCSettings, plan_gc
 from cas.manager import CheckpointManager
 from cas.objects import manifest_key
 from cas.refs import RefStore, ref_key
+from cas.verify import verify
 from tests.retention_helpers import FakeClock, chunk_digests, local_repo, memory_repo, tensor
 
 
@@ -122,6 +123,8 @@ def test_a_missing_or_foreign_segment_is_a_clear_error(
     with pytest.raises(NotFound, match=r"ref 'a': history segment \w+: manifest \w+ is missing"):
         list(repo.refs_store.events(a))
     assert repo.resolve("a~0") == digests[0]  # the inline part still reads
+    report = verify(repo, level="structure")
+    assert [(p.ref, p.kind) for p in report.problems] == [("a", "bad-history")]
 
 
 def saved_every_minute(
