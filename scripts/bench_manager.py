@@ -199,7 +199,13 @@ def run(quick: bool = False) -> dict[str, Any]:
             }
         # A long run: a save every 0.5 s moves latest 10,000 times in under 1.5 hours.
         results["batch64"]["async_nice10_long_run"] = paired_windows(
-            width, 64, every, root, 6 if quick else 30, 10, history_events=LONG_RUN_EVENTS
+            width,
+            64,
+            every,
+            root,
+            6 if quick else 30,
+            10,
+            history_events=1_000 if quick else LONG_RUN_EVENTS,
         )
         results.update(blocking_comparison(width, root, 5 if quick else 15))
     results.update(
