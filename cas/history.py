@@ -79,6 +79,9 @@ class TrainingHistory:
     def __init__(self, repo: Repository, ref: str) -> None:
         self.repo = repo
         self.ref = ref
+        self._written: _Snapshot | None = None
+        """The version this object last committed: the next append builds on it without reading
+        the ref and the manifest back. The compare-and-swap still catches any other writer."""
 
     def _current(self) -> _Snapshot:
         record = self.repo.refs_store.try_get(self.ref)
@@ -101,13 +104,18 @@ class TrainingHistory:
         """Append ``records`` (plain dicts) by compare-and-swap; return the new record count."""
         if not records:
             return len(self)
+        snapshot = self._written or self._current()
         for _ in range(CAS_RETRIES):
-            snapshot = self._current()
             manifest = self._appended(snapshot, records)
             try:
-                self.repo.commit(manifest, self.ref, expected=snapshot.digest, op="history")
+                digest = self.repo.commit(
+                    manifest, self.ref, expected=snapshot.digest, op="history"
+                )
             except RefConflict:
-                continue  # another writer appended first: rebuild on top of its version
+                # Another writer appended first (or the ref moved): rebuild on its version.
+                snapshot = self._current()
+                continue
+            self._written = _Snapshot(digest, manifest)
             return int(manifest.meta["records"])
         raise RefConflict(f"history {self.ref!r}: too many concurrent appends, gave up")
 

@@ -461,6 +461,21 @@ def test_concurrent_history_appends_lose_nothing(repo: cas.Repository) -> None:
     )
 
 
+def test_history_writers_that_build_on_their_own_last_version_lose_nothing(
+    repo: cas.Repository,
+) -> None:
+    first = TrainingHistory(repo, "runs/h/history")
+    second = TrainingHistory(repo, "runs/h/history")
+    for step in range(6):
+        (first if step % 3 else second).append([{"step": step}])
+    assert [r["step"] for r in first.read()] == list(range(6)) and len(second) == 6
+    repo.rm("runs/h/history")
+    first.append([{"step": 6}])  # its last version is gone: it starts a new history
+    assert [r["step"] for r in second.read()] == [6]
+    second.append([{"step": 7}])
+    assert [r["step"] for r in first.read()] == [6, 7] and len(first) == 2
+
+
 @pytest.mark.s3
 def test_saves_and_resume_work_against_real_s3_with_conditional_refs(s3_url: str) -> None:
     repo = cas.open(s3_url)
