@@ -144,6 +144,18 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
         raise FormatError(f"ref {name!r} is corrupt: {e}") from e
 
 
+def _ended_since(
+    events: tuple[RefEvent, ...], newer_time: float, since: float, back: int
+) -> Iterator[tuple[int, RefEvent]]:
+    """``(steps back, event)`` for the events that ended at or after ``since``: each ended when
+    the next began, the last when the next newer event (``newer_time``) did. ``back``: how many
+    events are newer than all of these."""
+    for i, event in enumerate(events):
+        ended = events[i + 1].time if i + 1 < len(events) else newer_time
+        if ended >= since:
+            yield back + len(events) - 1 - i, event
+
+
 def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise FormatError(f"bad sealed segment size {value!r}")
@@ -292,20 +304,13 @@ class RefStore:
         """``(steps back, event)`` for each event the ref moved on from at or after ``since``, the
         current one counting as moved on from ``now``; reads only the segments holding such events.
         """
-        history = record.history
-        for i, event in enumerate(history):
-            ended = history[i + 1].time if i + 1 < len(history) else now
-            if ended >= since:
-                yield len(history) - 1 - i, event
-        back = len(history)
-        newer_time = history[0].time
+        yield from _ended_since(record.history, now, since, 0)
+        back = len(record.history)
+        newer_time = record.history[0].time
         for sealed in reversed(record.sealed):
             if sealed.until >= since:
                 events = self.segment(record, sealed)
-                for i, event in enumerate(events):
-                    ended = events[i + 1].time if i + 1 < len(events) else newer_time
-                    if ended >= since:
-                        yield back + len(events) - 1 - i, event
+                yield from _ended_since(events, newer_time, since, back)
                 newer_time = events[0].time
             else:
                 # Unread: its first event began before it was superseded, before ``since``,
