@@ -149,13 +149,15 @@ class WriterLease:
         )
 
     # Plain puts, not compare-and-swap: the key is unique to this writer, and a local store keeps
-    # one lock file per conditionally written key forever (one per save would pile up).
+    # one lock file per conditionally written key forever (one per save would pile up). Transient
+    # ones: a lease only matters while its writer runs, so a crash that loses or tears it loses
+    # nothing (GC reads an unreadable lease as started at its mtime, which keeps it safe).
 
     def acquire(self) -> WriterLease:
         """Write the lease blob; from now on GC spares what this writer touches."""
         now = self.clock()
         self.started = now
-        self.blobs.put(self.key, self._document(now))
+        self.blobs.put_transient(self.key, self._document(now))
         self._refreshed = now
         self.expires = now + self.settings.duration
         return self
@@ -168,7 +170,7 @@ class WriterLease:
             if not self.blobs.has(self.key):
                 self._lost = "its lease blob is gone (reaped by GC as expired)"
                 raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}")
-            self.blobs.put(self.key, self._document(now))
+            self.blobs.put_transient(self.key, self._document(now))
             self._refreshed = now
             self.expires = now + self.settings.duration
 

@@ -43,6 +43,8 @@ SEAL_EVENTS = 64
 REFLOG_MARK = "cas_reflog"
 """The meta key that makes a manifest a sealed history segment."""
 MAX_REF_BLOB = 16 << 20
+DECODED_REFS = 256
+"""How many refs' decoded records a RefStore keeps for reuse."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,9 @@ class RefStore:
         self.blobs = blobs
         self.clock = clock
         self.objects = ObjectStore(blobs)
+        self._decoded: dict[RefName, RefRecord] = {}
+        """The last record read or written per ref, reused while the blob's version is the same:
+        decoding a record with a long inline history costs more than reading it."""
 
     def get(self, name: str) -> RefRecord:
         """The current record of a ref; NotFound if there is none."""
@@ -176,8 +181,18 @@ class RefStore:
         try:
             data, version = self.blobs.get_versioned(ref_key(ref))
         except NotFound:
+            self._decoded.pop(ref, None)
             raise NotFound(f"no ref named {ref!r}") from None
-        return decode_ref(ref, data, version)
+        known = self._decoded.get(ref)
+        if known is not None and known.version == version:
+            return known
+        return self._remember(decode_ref(ref, data, version))
+
+    def _remember(self, record: RefRecord) -> RefRecord:
+        if len(self._decoded) >= DECODED_REFS and record.name not in self._decoded:
+            self._decoded.clear()  # a listing of every ref must not grow this without bound
+        self._decoded[record.name] = record
+        return record
 
     def try_get(self, name: str) -> RefRecord | None:
         """The record, or None when the ref does not exist."""
@@ -237,7 +252,7 @@ class RefStore:
                 f"ref {ref!r} was changed by another writer; the new manifest {target} is "
                 "stored, retry or point a ref at it"
             ) from e
-        return replace(record, version=version)
+        return self._remember(replace(record, version=version))
 
     def _seal(self, record: RefRecord) -> RefRecord:
         """Move the oldest inline events into sealed segments, made durable before the record

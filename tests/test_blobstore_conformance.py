@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
 from pathlib import Path
@@ -62,6 +63,28 @@ class TestRetryingOverFaultyBlobStore(BlobStoreConformance):
         faulty = FaultyBlobStore(MemoryBlobStore(), rate=0.05, after_write=0.5, seed=7)
         policy = RetryPolicy(attempts=20, base_delay=0.0, max_delay=0.0)
         return RetryingBlobStore(faulty, policy, sleep=lambda _: None, rng=random.Random(0))
+
+
+def test_a_local_transient_put_skips_the_fsyncs_a_put_makes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalBlobStore(tmp_path / "store")
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    store.put_transient("leases/w1", b"lease")
+    store.sync()
+    assert synced == []
+    assert store.get("leases/w1") == b"lease"
+    assert [p.name for p in (tmp_path / "store" / "tmp").iterdir()] == ["locks"]  # no temp left
+    store.put("leases/w2", b"lease")
+    store.sync()
+    assert len(synced) == 2  # the file, then its directory
 
 
 def test_open_blobstore_routes_fsspec_urls_to_fsspec_store() -> None:

@@ -231,3 +231,31 @@ def test_a_ref_store_on_its_own_blobs_reads_and_writes_segments(tmp_path: Path) 
         store.set("lonely", digest, message=str(i))
     record = store.get("lonely")
     assert record.sealed and len(list(store.events(record))) == refs_mod.INLINE_HISTORY + 1
+
+
+def test_an_unchanged_record_is_not_decoded_again_and_a_change_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = local_repo(tmp_path)
+    digests = targets(repo, 3)
+    mine, other = repo.refs_store, RefStore(repo.blobs)
+    decoded: list[str] = []
+    real_decode = refs_mod.decode_ref
+
+    def counting_decode(name: str, data: bytes, version: object) -> object:
+        decoded.append(name)
+        return real_decode(name, data, version)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(refs_mod, "decode_ref", counting_decode)
+    mine.set("runs/r/latest", digests[0], expected=None)
+    for i in (1, 2):
+        mine.set("runs/r/latest", digests[i], expected=digests[i - 1])
+    assert mine.get("runs/r/latest").target == digests[2]
+    assert decoded == []  # every read found the record this store had just written
+    other.set("runs/r/latest", digests[0], expected=digests[2])  # another writer, another process
+    assert mine.get("runs/r/latest").target == digests[0]
+    assert decoded == ["runs/r/latest", "runs/r/latest"]  # other's read, then mine of its write
+    with pytest.raises(refs_mod.RefConflict):
+        mine.set("runs/r/latest", digests[1], expected=digests[2])
+    other.delete("runs/r/latest")
+    assert mine.try_get("runs/r/latest") is None

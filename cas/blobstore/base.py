@@ -80,6 +80,15 @@ class BlobStore(ABC):
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Store ``data`` under ``key`` atomically, replacing any previous blob."""
 
+    def put_transient(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` like ``put``, visible to every reader at once, but with no promise that
+        it survives a crash of this machine.
+
+        For blobs whose meaning dies with the writer, a writer lease above all: after a crash no
+        writer holds it. Stores where durability costs nothing extra keep the default, ``put``.
+        """
+        self.put(key, data)
+
     @abstractmethod
     def has(self, key: str) -> bool:
         """Whether a blob exists under ``key``."""

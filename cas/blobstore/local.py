@@ -140,13 +140,14 @@ class LocalBlobStore(BlobStore):
         """Whether large blobs are still written with ``O_DIRECT`` (off once the filesystem refused)."""
         return self._direct_io
 
-    def _write_temp(self, *parts: bytes | bytearray | memoryview) -> Path:
+    def _write_temp(self, *parts: bytes | bytearray | memoryview, fsync: bool = True) -> Path:
         tmp = self.root / TMP_DIR / f"{uuid.uuid4().hex}.tmp"
+        fsync = fsync and self._fsync
         if self._direct_io:
             total = sum(memoryview(part).nbytes for part in parts)
             if wants_direct(total):
                 try:
-                    write_direct(tmp, parts, total, self._aligned, fsync=self._fsync)
+                    write_direct(tmp, parts, total, self._aligned, fsync=fsync)
                     return tmp
                 except DirectIOUnsupported:
                     self._direct_io = False  # this filesystem refuses it: buffered from now on
@@ -157,7 +158,7 @@ class LocalBlobStore(BlobStore):
                 while view:
                     written = os.write(fd, view)
                     view = view[written:]
-            if self._fsync:
+            if fsync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -179,6 +180,16 @@ class LocalBlobStore(BlobStore):
             raise BackendError(f"writing {path}: {e.strerror}") from e
         with self._dirty_lock:
             self._dirty_dirs.add(path.parent)
+
+    def put_transient(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Atomic and visible to other processes like ``put``, without its fsyncs: two of the
+        durable writes a checkpoint save made went into its writer lease, which no crash needs."""
+        path = self._path(key)
+        try:
+            self._ensure_parent(path)
+            os.replace(self._write_temp(data, fsync=False), path)
+        except OSError as e:
+            raise BackendError(f"writing {path}: {e.strerror}") from e
 
     def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         """Create-only, atomic across processes: ``link`` never replaces an existing name.

@@ -136,6 +136,14 @@ class BlobStoreConformance(abc.ABC):
             assert all(reader.result() > 0 for reader in readers)
         assert torn == []
 
+    def test_a_transient_put_is_a_whole_visible_replacement(self, store: BlobStore) -> None:
+        store.put_transient("leases/w1", b"first lease document, longer")
+        assert store.get("leases/w1") == b"first lease document, longer"
+        store.put_transient("leases/w1", b"refreshed")
+        assert store.get("leases/w1") == b"refreshed"
+        assert store.stat("leases/w1").size == len(b"refreshed")
+        assert list(store.list("leases/")) == ["leases/w1"]
+
     def test_a_written_blob_is_visible_at_once(self, store: BlobStore) -> None:
         for i in range(5):
             key = f"chunks/{i:02d}/blob"
