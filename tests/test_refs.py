@@ -14,7 +14,7 @@ import cas
 import cas.refs as refs_mod
 from cas.cli import cli
 from cas.digest import Digest
-from cas.errors import FormatError, NotFound
+from cas.errors import FormatError, NotFound, RefConflict
 from cas.gc import GCSettings, plan_gc
 from cas.manager import CheckpointManager
 from cas.objects import manifest_key
@@ -255,7 +255,7 @@ def test_an_unchanged_record_is_not_decoded_again_and_a_change_is_seen(
     other.set("runs/r/latest", digests[0], expected=digests[2])  # another writer, another process
     assert mine.get("runs/r/latest").target == digests[0]
     assert decoded == ["runs/r/latest", "runs/r/latest"]  # other's read, then mine of its write
-    with pytest.raises(refs_mod.RefConflict):
+    with pytest.raises(RefConflict):
         mine.set("runs/r/latest", digests[1], expected=digests[2])
     other.delete("runs/r/latest")
     assert mine.try_get("runs/r/latest") is None
