@@ -3,7 +3,9 @@
 Measures (1) the overhead of saving every 50 steps of a small CPU training loop, as the extra
 time of a 50-step window that starts with a save against one that does not (async saves at low
 and at normal priority, and synchronous saves); (2) how long one async ``save`` blocks the loop
-against a synchronous ``torch.save`` of the same state to a file. Writes JSON to
+against a synchronous ``torch.save`` of the same state to a file. Each row also gives the extra
+process CPU of a window with a save (``save_cpu_ms``) and the CPU cost of creating one file in its
+store (``file_create_us``), which on some filesystems sets much of the spread. Writes JSON to
 ``bench-results/manager.json``; ``--quick`` is a smoke run.
 
     .venv/bin/python scripts/bench_manager.py [--quick] [--out bench-results/manager.json]
@@ -105,8 +107,8 @@ def paired_windows(
     def state() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    def window(save: bool) -> float:
-        start = time.perf_counter()
+    def window(save: bool) -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         if save:
             counter[0] += 1
             blocking.append(mgr.save(counter[0], state).blocking_seconds)
@@ -116,7 +118,7 @@ def paired_windows(
             loss.backward()
             opt.step()
         mgr.wait()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     window(False), window(True)
     mgr.wait()
@@ -124,12 +126,14 @@ def paired_windows(
         target = repo.resolve(ref)
         for _ in range(history_events):
             repo.refs_store.set(ref, target, op="bench")
-    diffs, bases = [], []
+    create_us = file_create_us(root / f"paired-{nice}-{async_save}" / "tmp")
+    diffs, bases, cpu_diffs = [], [], []
     for i in range(pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
         timed = {save: window(save) for save in order}
-        bases.append(timed[False])
-        diffs.append(100 * (timed[True] - timed[False]) / timed[False])
+        bases.append(timed[False][0])
+        diffs.append(100 * (timed[True][0] - timed[False][0]) / timed[False][0])
+        cpu_diffs.append(timed[True][1] - timed[False][1])
     mgr.close()
     low, high = median_interval(diffs)
     return {
@@ -140,8 +144,26 @@ def paired_windows(
         "pairs": pairs,
         "window_ms": 1000 * statistics.median(bases),
         "blocking_ms": 1000 * statistics.median(blocking),
+        "save_cpu_ms": 1000 * statistics.median(cpu_diffs),
+        "file_create_us": create_us,
         "ref_history_events": history_events,
     }
+
+
+def file_create_us(directory: Path, count: int = 20) -> float:
+    """CPU microseconds to create one empty file in ``directory``, where the store's writes go.
+
+    On ext4 without a journal this varies from about 10 us to over 700 us with the directory's
+    inode group and with how many inodes were freed there in the last minutes: the allocator
+    skips each recently deleted one (kernel ``recently_deleted``). A save creates about 14 files,
+    so this is a large part of the run-to-run spread; the files are kept, to add no deletions.
+    """
+    probe = directory / f"create-probe-{time.monotonic_ns()}"
+    probe.mkdir()
+    start = time.thread_time()
+    for i in range(count):
+        os.close(os.open(probe / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    return 1e6 * (time.thread_time() - start) / count
 
 
 def median_interval(values: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -160,12 +182,13 @@ def report(results: dict[str, Any]) -> None:
         rows = results[batch]
         cells = [
             f"{mode} {row['overhead_pct']:5.1f}% [{row['overhead_pct_ci95'][0]:.1f}, "
-            f"{row['overhead_pct_ci95'][1]:.1f}]"
+            f"{row['overhead_pct_ci95'][1]:.1f}] (CPU {row['save_cpu_ms']:.0f} ms, "
+            f"create {row['file_create_us']:.0f} us)"
             for mode, row in rows.items()
         ]
-        print(
-            f"  {batch:<9} window {rows['async_nice10']['window_ms']:.0f} ms   " + "   ".join(cells)
-        )
+        print(f"  {batch:<9} window {rows['async_nice10']['window_ms']:.0f} ms")
+        for cell in cells:
+            print(f"    {cell}")
     print(f"  one save blocks the loop: cas async {results['async_save_blocking_ms']:.1f} ms "
           f"(background write {results['async_save_background_write_ms']:.1f} ms), "
           f"torch.save {results['torch_save_sync_ms']:.1f} ms")  # fmt: skip
