@@ -6,7 +6,8 @@ and at normal priority, and synchronous saves); (2) how long one async ``save`` 
 against a synchronous ``torch.save`` of the same state to a file. Each row also gives the extra
 process CPU of a window with a save (``save_cpu_ms``) and the CPU cost of creating one file in its
 store (``file_create_us``), which on some filesystems sets much of the spread. Writes JSON to
-``bench-results/manager.json``; ``--quick`` is a smoke run.
+``bench-results/manager.json``; ``--quick`` is a smoke run. One more batch-64 row runs in a child
+process with ``OMP_WAIT_POLICY=PASSIVE`` (docs/training.md, "Measured").
 
     .venv/bin/python scripts/bench_manager.py [--quick] [--out bench-results/manager.json]
 """
@@ -18,6 +19,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -230,6 +232,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             10,
             history_events=1_000 if quick else LONG_RUN_EVENTS,
         )
+        results["batch64"]["async_nice10_omp_passive"] = passive_row(quick)
         results.update(blocking_comparison(width, root, 5 if quick else 15))
     results.update(
         torch_threads=torch.get_num_threads(), cpus=os.cpu_count(),
@@ -239,11 +242,32 @@ def run(quick: bool = False) -> dict[str, Any]:
     return results
 
 
+def passive_row(quick: bool) -> dict[str, Any]:
+    """The batch-64 async row again, in a process whose OpenMP threads sleep at a barrier.
+
+    libgomp reads ``OMP_WAIT_POLICY`` once, when torch loads it, hence a child process. By
+    default a training thread that reaches a barrier first spins there; when the background save
+    has preempted its partner, the spin holds the other core the save could have used.
+    """
+    argv = [sys.executable, __file__, "--passive-row"] + (["--quick"] if quick else [])
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    row: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return row
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--out", default="bench-results/manager.json")
+    parser.add_argument("--passive-row", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.passive_row:
+        width, every = (512, 25) if args.quick else (1024, 50)
+        with tempfile.TemporaryDirectory(prefix="cas-bench-manager-") as tmp:
+            row = paired_windows(width, 64, every, Path(tmp), 6 if args.quick else 30, 10)
+        print(json.dumps(row))
+        return 0
     results = run(args.quick)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -182,8 +182,8 @@ class LocalBlobStore(BlobStore):
             self._dirty_dirs.add(path.parent)
 
     def put_transient(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Atomic and visible to other processes like ``put``, without its fsyncs: two of the
-        durable writes a checkpoint save made went into its writer lease, which no crash needs."""
+        """Atomic and visible to other processes at once, like ``put``, but with neither the file's
+        nor its directory's fsync: a checkpoint save writes a lease, and no crash needs one."""
         path = self._path(key)
         try:
             self._ensure_parent(path)
