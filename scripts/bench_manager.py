@@ -196,6 +196,11 @@ def report(results: dict[str, Any]) -> None:
           f"torch.save {results['torch_save_sync_ms']:.1f} ms")  # fmt: skip
 
 
+def sizes(quick: bool) -> tuple[int, int, int]:
+    """Model width, steps between saves and window pairs of a batch-64 row."""
+    return (512, 25, 6) if quick else (1024, 50, 30)
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark and return its figures.
 
@@ -204,8 +209,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     and a heavier one (batch 512), each with async saves at the default low priority
     (``nice10``), at normal priority (``nice0``) and with synchronous saves.
     """
-    width = 512 if quick else 1024
-    every = 25 if quick else 50
+    width, every, pairs64 = sizes(quick)
     params = sum(p.numel() for p in build(width)[0].parameters())
     results: dict[str, Any] = {
         "quick": quick,
@@ -216,7 +220,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory(prefix="cas-bench-manager-") as tmp:
         root = Path(tmp)
-        for batch, pairs in ((64, 6 if quick else 30), (512, 3 if quick else 12)):
+        for batch, pairs in ((64, pairs64), (512, 3 if quick else 12)):
             results[f"batch{batch}"] = {
                 "async_nice10": paired_windows(width, batch, every, root, pairs, 10),
                 "async_nice0": paired_windows(width, batch, every, root, pairs, 0),
@@ -228,7 +232,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             64,
             every,
             root,
-            6 if quick else 30,
+            pairs64,
             10,
             history_events=1_000 if quick else LONG_RUN_EVENTS,
         )
@@ -263,9 +267,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--passive-row", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.passive_row:
-        width, every = (512, 25) if args.quick else (1024, 50)
+        width, every, pairs = sizes(args.quick)
         with tempfile.TemporaryDirectory(prefix="cas-bench-manager-") as tmp:
-            row = paired_windows(width, 64, every, Path(tmp), 6 if args.quick else 30, 10)
+            row = paired_windows(width, 64, every, Path(tmp), pairs, 10)
         print(json.dumps(row))
         return 0
     results = run(args.quick)

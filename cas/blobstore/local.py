@@ -171,25 +171,27 @@ class LocalBlobStore(BlobStore):
         self.put_parts(key, (data,))
 
     def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-        path = self._path(key)
-        try:
-            self._ensure_parent(path)
-            tmp = self._write_temp(*parts)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise BackendError(f"writing {path}: {e.strerror}") from e
-        with self._dirty_lock:
-            self._dirty_dirs.add(path.parent)
+        self._replace(key, parts, durable=True)
 
     def put_transient(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Atomic and visible to other processes at once, like ``put``, but with neither the file's
         nor its directory's fsync: a checkpoint save writes a lease, and no crash needs one."""
+        self._replace(key, (data,), durable=False)
+
+    def _replace(
+        self, key: str, parts: Sequence[bytes | bytearray | memoryview], *, durable: bool
+    ) -> None:
+        """Write a temp file and rename it over ``key``; a durable write's directory is fsynced
+        by the next ``sync``."""
         path = self._path(key)
         try:
             self._ensure_parent(path)
-            os.replace(self._write_temp(data, fsync=False), path)
+            os.replace(self._write_temp(*parts, fsync=durable), path)
         except OSError as e:
             raise BackendError(f"writing {path}: {e.strerror}") from e
+        if durable:
+            with self._dirty_lock:
+                self._dirty_dirs.add(path.parent)
 
     def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
         """Create-only, atomic across processes: ``link`` never replaces an existing name.
