@@ -115,6 +115,18 @@ class PendingSave:
 
 
 @dataclass
+class _LentThread:
+    """An intra-op thread the training thread lent to background saves (``yield_thread``)."""
+
+    thread: int
+    """``threading.get_ident()`` of the thread that lent it: OpenMP's count is per thread."""
+    threads: int
+    """Its ``torch.get_num_threads()`` before the save."""
+    save: Future[SaveResult]
+    """The newest save it waits for."""
+
+
+@dataclass
 class _Prepared:
     tree: dict[str, Any]
     meta: dict[str, Any]
@@ -147,6 +159,7 @@ class CheckpointManager:
         max_in_flight: int = 1,
         background_nice: int = 10,
         background_workers: int = 2,
+        yield_thread: bool = False,
         signals: bool = True,
         exit_on_stop: bool = True,
         capture_rng: bool = True,
@@ -184,6 +197,8 @@ class CheckpointManager:
                 workers=background_workers,
             )  # fmt: skip
         self._write_history = TrainingHistory(self._write_repo, self.history.ref)
+        self.yield_thread = yield_thread
+        self._lent: _LentThread | None = None
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None
         self.triggers = SignalTriggers()
@@ -231,8 +246,10 @@ class CheckpointManager:
 
         ``state`` may be a callable, built only when a save happens. On SIGTERM/SIGINT this
         saves ``step``, waits for it, marks the run ``interrupted`` and exits with status 0
-        (``SystemExit(0)``; with ``exit_on_stop=False`` it returns the save instead).
+        (``SystemExit(0)``; with ``exit_on_stop=False`` it returns the save instead). With
+        ``yield_thread`` it also gives back the intra-op thread lent to a save once it is written.
         """
+        self._reclaim_thread()
         if self.triggers.stop_requested:
             signum = self.triggers.stop_signal
             pending = self.save(step, state, metrics, trigger="signal", status="interrupted")
@@ -253,6 +270,7 @@ class CheckpointManager:
     ) -> SaveResult:
         """The final save of a completed run; waits for it. Signals act as before the manager."""
         result = self.save(step, state, metrics, trigger="final", status="completed").result()
+        self._reclaim_thread()
         self.triggers.uninstall()
         return result
 
@@ -304,8 +322,34 @@ class CheckpointManager:
                 future.set_exception(e)
                 raise
             return PendingSave(future, step, prepared.ref, time.perf_counter() - start)
+        self._reclaim_thread()
         future, blocked = self._writer.submit(prepare, self._write, cleanup=self._release)
+        self._lend_thread(future)
         return PendingSave(future, step, self.checkpoint_ref(step, phase), blocked)
+
+    def _lend_thread(self, save: Future[SaveResult]) -> None:
+        """With ``yield_thread``, run the caller's parallel regions on one thread fewer until
+        ``save`` is written, so the save has a core of its own instead of stalling them."""
+        if not self.yield_thread or save.done():
+            return
+        if self._lent is not None and self._lent.thread == threading.get_ident():
+            self._lent.save = save  # still lent: keep it until the newest save is written
+            return
+        threads = torch.get_num_threads()
+        if self._lent is None and threads > 1:
+            torch.set_num_threads(threads - 1)
+            self._lent = _LentThread(threading.get_ident(), threads, save)
+
+    def _reclaim_thread(self, force: bool = False) -> None:
+        """Give the lent thread back once its save is written (``force``: now)."""
+        lent = self._lent
+        if lent is None or lent.thread != threading.get_ident():
+            return  # torch's thread count is per OpenMP thread: only the lender can restore it
+        if not (force or lent.save.done()):
+            return
+        self._lent = None
+        if torch.get_num_threads() == lent.threads - 1:  # unless the caller changed it since
+            torch.set_num_threads(lent.threads)
 
     def _release(self, prepared: _Prepared) -> None:
         if prepared.staging is not None:
@@ -405,8 +449,11 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for every save in flight; raise a background failure."""
-        if self._writer is not None:
-            self._writer.wait()
+        try:
+            if self._writer is not None:
+                self._writer.wait()
+        finally:
+            self._reclaim_thread(force=True)
 
     def close(self) -> None:
         """Finish saves in flight, write pending history records, remove the signal handlers."""
@@ -417,6 +464,7 @@ class CheckpointManager:
             if self._writer is not None:
                 self._writer.close()
         finally:
+            self._reclaim_thread(force=True)
             self.triggers.uninstall()
             if self._write_repo is not self.repo:
                 self._write_repo.io.close()  # its threads only: the store is shared

@@ -8,7 +8,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,8 @@ class Switches:
 
     failing = False
     delay = 0.0
+    gate: threading.Event | None = None
+    """While set to an unset event, chunk writes wait for it."""
 
 
 class SwitchedChunks(LocalBlobStore):
@@ -143,6 +145,8 @@ class SwitchedChunks(LocalBlobStore):
             if self.switches.failing:
                 raise cas.BackendError("disk full (injected)")
             time.sleep(self.switches.delay)
+            if self.switches.gate is not None:
+                self.switches.gate.wait(timeout=60)
         return super().put_new_parts(key, parts)
 
 
@@ -251,6 +255,89 @@ def test_back_pressure_blocks_a_save_while_the_previous_one_is_written(tmp_path:
         assert first.done()
         assert second.blocking_seconds >= 0.05
         blobs.switches.delay = 0.0
+
+
+@pytest.fixture
+def gated_repo(tmp_path: Path) -> Iterator[tuple[cas.Repository, threading.Event]]:
+    """A store whose chunk writes wait for the event, and torch at 3 intra-op threads."""
+    base = cas.open(tmp_path / "store", config=StoreConfig(chunk_size=16 << 10))
+    blobs = SwitchedChunks(tmp_path / "store")
+    gate = blobs.switches.gate = threading.Event()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        yield cas.Repository(blobs, base.config), gate
+    finally:
+        gate.set()
+        torch.set_num_threads(threads)
+
+
+def test_yield_thread_runs_the_loop_on_a_thread_fewer_until_the_save_is_written(
+    gated_repo: tuple[cas.Repository, threading.Event],
+) -> None:
+    repo, gate = gated_repo
+    model, opt = make_model()
+    train_step(model, opt)
+    with manager(repo, yield_thread=True, every_n_steps=2) as mgr:
+        assert mgr.step_end(1, lambda: state_of(model, opt)) is None
+        assert torch.get_num_threads() == 3
+        pending = mgr.step_end(2, lambda: state_of(model, opt))
+        assert pending is not None and not pending.done()
+        assert torch.get_num_threads() == 2
+        assert mgr.step_end(3, lambda: state_of(model, opt)) is None
+        assert torch.get_num_threads() == 2  # still being written: still lent
+        gate.set()
+        pending.result()
+        assert torch.get_num_threads() == 2  # given back at the next step boundary, not before
+        mgr.step_end(3, lambda: state_of(model, opt))
+        assert torch.get_num_threads() == 3
+        gate.clear()
+        threading.Timer(0.1, gate.set).start()
+        mgr.finish(4, state_of(model, opt))  # waits for its save, so it gives the thread back
+        assert torch.get_num_threads() == 3
+
+
+def test_a_lent_thread_comes_back_with_wait_and_close_unless_the_caller_changed_the_count(
+    gated_repo: tuple[cas.Repository, threading.Event],
+) -> None:
+    repo, gate = gated_repo
+    model, opt = make_model()
+    mgr = manager(repo, yield_thread=True)
+    mgr.save(1, state_of(model, opt))
+    assert torch.get_num_threads() == 2
+    gate.set()
+    mgr.wait()
+    assert torch.get_num_threads() == 3
+    gate.clear()
+    mgr.save(2, state_of(model, opt))
+    torch.set_num_threads(1)  # the training code's own choice: the manager must keep it
+    gate.set()
+    mgr.wait()
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(3)
+    gate.clear()
+    mgr.save(3, state_of(model, opt))
+    assert torch.get_num_threads() == 2
+    threading.Timer(0.1, gate.set).start()
+    mgr.close()
+    assert torch.get_num_threads() == 3
+    assert repo.show("runs/r1/latest")["meta"]["step"] == 3
+
+
+@pytest.mark.parametrize("kw", [{}, {"yield_thread": True, "async_save": False}])
+def test_without_yield_thread_or_async_saves_the_thread_count_never_changes(
+    gated_repo: tuple[cas.Repository, threading.Event], kw: dict[str, Any]
+) -> None:
+    repo, gate = gated_repo
+    model, opt = make_model()
+    if kw.get("async_save", True):
+        threading.Timer(0.2, gate.set).start()
+    else:
+        gate.set()
+    with manager(repo, **kw) as mgr:
+        pending = mgr.save(1, state_of(model, opt))
+        assert torch.get_num_threads() == 3
+        pending.result()
 
 
 def test_resume_restores_state_rng_and_continues_the_history(repo: cas.Repository) -> None:
