@@ -6,8 +6,10 @@ and at normal priority, and synchronous saves); (2) how long one async ``save`` 
 against a synchronous ``torch.save`` of the same state to a file. Each row also gives the extra
 process CPU of a window with a save (``save_cpu_ms``) and the CPU cost of creating one file in its
 store (``file_create_us``), which on some filesystems sets much of the spread. Writes JSON to
-``bench-results/manager.json``; ``--quick`` is a smoke run. One more batch-64 row runs in a child
-process with ``OMP_WAIT_POLICY=PASSIVE`` (docs/training.md, "Measured").
+``bench-results/manager.json``; ``--quick`` is a smoke run. One batch-64 row saves with
+``yield_thread=True``; one more runs in a child process with ``OMP_WAIT_POLICY=PASSIVE``, and
+alternating child processes measure what that policy costs the loop without checkpoints
+(docs/training.md, "Measured").
 
     .venv/bin/python scripts/bench_manager.py [--quick] [--out bench-results/manager.json]
 """
@@ -87,6 +89,7 @@ def paired_windows(
     nice: int,
     async_save: bool = True,
     history_events: int = 0,
+    yield_thread: bool = False,
 ) -> dict[str, float]:
     """Overhead of one checkpoint on the ``every`` steps that follow it, window against window.
 
@@ -95,14 +98,17 @@ def paired_windows(
     next has no save. Each pair is compared on its own, so load from other processes cancels
     out; the median of the per-pair differences is the overhead of saving every ``every`` steps.
     ``history_events`` first gives the run's ``latest`` and history refs that many moves, as a
-    long run's refs have (a save moves both).
+    long run's refs have (a save moves both). ``yield_thread`` saves with that manager option and
+    calls ``step_end`` after each step, which gives the lent thread back.
     """
     model, opt = build(width)
     data = torch.randn(batch, width)
-    repo = cas.open(root / f"paired-{nice}-{async_save}")
+    store = root / f"paired-{nice}-{async_save}-{yield_thread}"
+    repo = cas.open(store)
     mgr = CheckpointManager(
-        repo, run="paired", signals=False, background_nice=nice, async_save=async_save
-    )
+        repo, run="paired", signals=False, background_nice=nice, async_save=async_save,
+        yield_thread=yield_thread,
+    )  # fmt: skip
     counter = [0]
     blocking: list[float] = []
 
@@ -119,6 +125,8 @@ def paired_windows(
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if yield_thread:
+                mgr.step_end(counter[0], state)
         mgr.wait()
         return time.perf_counter() - start, time.process_time() - cpu
 
@@ -128,7 +136,7 @@ def paired_windows(
         target = repo.resolve(ref)
         for _ in range(history_events):
             repo.refs_store.set(ref, target, op="bench")
-    create_us = file_create_us(root / f"paired-{nice}-{async_save}" / "tmp")
+    create_us = file_create_us(store / "tmp")
     diffs, bases, cpu_diffs = [], [], []
     for i in range(pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
@@ -184,13 +192,15 @@ def report(results: dict[str, Any]) -> None:
         rows = results[batch]
         cells = [
             f"{mode} {row['overhead_pct']:5.1f}% [{row['overhead_pct_ci95'][0]:.1f}, "
-            f"{row['overhead_pct_ci95'][1]:.1f}] (CPU {row['save_cpu_ms']:.0f} ms, "
-            f"create {row['file_create_us']:.0f} us)"
+            f"{row['overhead_pct_ci95'][1]:.1f}] (window {row['window_ms']:.0f} ms, "
+            f"CPU {row['save_cpu_ms']:.0f} ms, create {row['file_create_us']:.0f} us)"
             for mode, row in rows.items()
         ]
-        print(f"  {batch:<9} window {rows['async_nice10']['window_ms']:.0f} ms")
+        print(f"  {batch}")
         for cell in cells:
             print(f"    {cell}")
+    print(f"  OMP_WAIT_POLICY=PASSIVE slows the batch-64 loop itself (no checkpoints) by "
+          f"{results['omp_passive_loop_cost']['loop_slowdown_pct']:.1f}%")  # fmt: skip
     print(f"  one save blocks the loop: cas async {results['async_save_blocking_ms']:.1f} ms "
           f"(background write {results['async_save_background_write_ms']:.1f} ms), "
           f"torch.save {results['torch_save_sync_ms']:.1f} ms")  # fmt: skip
@@ -236,7 +246,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             10,
             history_events=1_000 if quick else LONG_RUN_EVENTS,
         )
+        results["batch64"]["async_nice10_yield_thread"] = paired_windows(
+            width, 64, every, root, pairs64, 10, yield_thread=True
+        )
         results["batch64"]["async_nice10_omp_passive"] = passive_row(quick)
+        results["omp_passive_loop_cost"] = passive_loop_cost(quick)
         results.update(blocking_comparison(width, root, 5 if quick else 15))
     results.update(
         torch_threads=torch.get_num_threads(), cpus=os.cpu_count(),
@@ -251,13 +265,54 @@ def passive_row(quick: bool) -> dict[str, Any]:
 
     libgomp reads ``OMP_WAIT_POLICY`` once, when torch loads it, hence a child process. By
     default a training thread that reaches a barrier first spins there; when the background save
-    has preempted its partner, the spin holds the other core the save could have used.
+    has preempted its partner, the spin holds the other core the save could have used. The row's
+    overhead is against the same loop under the same policy; ``passive_loop_cost`` gives what
+    the policy itself costs that loop.
     """
-    argv = [sys.executable, __file__, "--passive-row"] + (["--quick"] if quick else [])
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
-    row: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    row: dict[str, Any] = child(["--passive-row"], quick, "PASSIVE")
     return row
+
+
+def passive_loop_cost(quick: bool) -> dict[str, Any]:
+    """How much slower the batch-64 loop runs without any checkpoint under ``PASSIVE``.
+
+    Child processes alternate (default then passive, passive then default, ...) so that drift in
+    the machine's speed cancels; each gives the median of its 50-step windows.
+    """
+    slowdowns, windows = [], []
+    for i in range(2 if quick else 6):
+        order = ("default", "PASSIVE") if i % 2 == 0 else ("PASSIVE", "default")
+        ms = {policy: float(child(["--loop-window"], quick, policy)) for policy in order}
+        windows.append(ms)
+        slowdowns.append(100 * (ms["PASSIVE"] - ms["default"]) / ms["default"])
+    return {"loop_slowdown_pct": statistics.median(slowdowns), "windows_ms": windows}
+
+
+def child(flags: list[str], quick: bool, wait_policy: str) -> Any:
+    """Run this script with ``flags`` under an OpenMP wait policy; its last line, as JSON."""
+    argv = [sys.executable, __file__, *flags] + (["--quick"] if quick else [])
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = wait_policy
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def loop_window_ms(quick: bool) -> float:
+    """The median 50-step window of the batch-64 loop with no checkpoints at all."""
+    width, every, _ = sizes(quick)
+    model, opt = build(width)
+    data = torch.randn(64, width)
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        for _ in range(every):
+            loss = model(data).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[1:])
 
 
 def main(argv: list[str]) -> int:
@@ -265,7 +320,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--out", default="bench-results/manager.json")
     parser.add_argument("--passive-row", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--loop-window", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.loop_window:
+        print(json.dumps(loop_window_ms(args.quick)))
+        return 0
     if args.passive_row:
         width, every, pairs = sizes(args.quick)
         with tempfile.TemporaryDirectory(prefix="cas-bench-manager-") as tmp:
