@@ -157,7 +157,7 @@ class CheckpointManager:
         layout: Layout = DEFAULT_LAYOUT,
         async_save: bool = True,
         max_in_flight: int = 1,
-        background_nice: int = 10,
+        background_nice: int = 0,
         background_workers: int = 2,
         yield_thread: bool = False,
         signals: bool = True,

@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -255,6 +256,32 @@ def test_back_pressure_blocks_a_save_while_the_previous_one_is_written(tmp_path:
         assert first.done()
         assert second.blocking_seconds >= 0.05
         blobs.switches.delay = 0.0
+
+
+class PriorityRecorder(LocalBlobStore):
+    """A local store that notes the nice value of each thread that writes a chunk."""
+
+    seen: list[int]
+
+    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+        if key.startswith("chunks/"):
+            self.seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # Linux: the calling thread
+        return super().put_new_parts(key, parts)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread only on Linux")
+@pytest.mark.parametrize("kw, raised", [({}, 0), ({"background_nice": 5}, 5)])
+def test_background_writes_run_at_normal_priority_unless_background_nice_raises_it(
+    tmp_path: Path, kw: dict[str, Any], raised: int
+) -> None:
+    base = cas.open(tmp_path / "store", config=StoreConfig(chunk_size=16 << 10))
+    blobs = PriorityRecorder(tmp_path / "store")
+    blobs.seen = []
+    model, opt = make_model()
+    with manager(cas.Repository(blobs, base.config), **kw) as mgr:
+        mgr.save(1, state_of(model, opt)).result()
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert blobs.seen and set(blobs.seen) == {min(own + raised, 19)}
 
 
 @pytest.fixture
