@@ -270,7 +270,11 @@ class PriorityRecorder(LocalBlobStore):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread only on Linux")
-@pytest.mark.parametrize("kw, raised", [({}, 0), ({"background_nice": 5}, 5)])
+@pytest.mark.parametrize(
+    "kw, raised",
+    [({}, 0), ({"background_nice": 5}, 5), ({"yield_thread": True}, 10),
+     ({"yield_thread": True, "background_nice": 0}, 0)],
+)  # fmt: skip
 def test_background_writes_run_at_normal_priority_unless_background_nice_raises_it(
     tmp_path: Path, kw: dict[str, Any], raised: int
 ) -> None:
