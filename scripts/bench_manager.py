@@ -47,12 +47,17 @@ def build(width: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optim
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor) -> None:
+    loss = model(data).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 def blocking_comparison(width: int, root: Path, repeats: int) -> dict[str, float]:
     """One async save's blocking time vs a synchronous torch.save of the same state."""
     model, opt = build(width)
-    loss = model(torch.randn(8, width)).pow(2).mean()
-    loss.backward()
-    opt.step()
+    train_step(model, opt, torch.randn(8, width))  # the AdamW moments exist from the first step
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     repo = cas.open(root / "blocking-store")
     async_times, write_times, torch_times = [], [], []
@@ -121,10 +126,7 @@ def paired_windows(
             counter[0] += 1
             blocking.append(mgr.save(counter[0], state).blocking_seconds)
         for _ in range(every):
-            loss = model(data).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            train_step(model, opt, data)
             if yield_thread:
                 mgr.step_end(counter[0], state)
         mgr.wait()
@@ -307,10 +309,7 @@ def loop_window_ms(quick: bool) -> float:
     for _ in range(9):
         start = time.perf_counter()
         for _ in range(every):
-            loss = model(data).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            train_step(model, opt, data)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[1:])
 
