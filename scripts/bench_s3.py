@@ -6,9 +6,9 @@ files, then times, side by side and alternating, for ``repeat`` rounds:
 
 - boto3 upload: every file through one ``s3transfer`` TransferManager (16 threads, multipart
   above 8 MiB), which is what ``aws s3 cp --recursive`` does;
-- cas push: ``cas.transfer.push`` of the checkpoint into a fresh S3 store (16 jobs);
+- cas push: ``cas.sync.transfer.push`` of the checkpoint into a fresh S3 store (16 jobs);
 - boto3 download of those files into a fresh directory (page cache, no fsync);
-- cas pull: ``cas.transfer.pull`` into a fresh local store (every chunk fsynced, every byte
+- cas pull: ``cas.sync.transfer.pull`` into a fresh local store (every chunk fsynced, every byte
   re-hashed).
 
 Ratios are boto3 time / cas time (1.0 = as fast as boto3; the target is 0.8 or more). The load
@@ -39,13 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cas  # noqa: E402
+from cas.sync.transfer import pull, push  # noqa: E402
 from cas.testing.seaweed import (  # noqa: E402
     DUMMY_ACCESS_KEY,
     DUMMY_SECRET_KEY,
     REGION,
     SeaweedServer,
 )
-from cas.transfer import pull, push  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20

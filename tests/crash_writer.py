@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import cas
-from cas.config import StoreConfig
+from cas.repo.config import StoreConfig
 
 
 def expected_state(step: int) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import cas
-from cas.integrations.dcp import CASStorageReader, CASStorageWriter
+from cas.training.integrations.dcp import CASStorageReader, CASStorageWriter
 
 
 def main(store: str, rank: int, world: int, port: int) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import cas
-from cas.verify import verify
+from cas.retention.verify import verify
 from tests.retention_helpers import tensor
 
 CHUNK = 4096

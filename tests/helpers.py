@@ -10,7 +10,7 @@ import torch
 
 import cas
 from cas.blobstore import LocalBlobStore
-from cas.config import StoreConfig
+from cas.repo.config import StoreConfig
 
 
 def small_chunk_repo(root: Path, chunk_size: int = 64 << 10, **kw: Any) -> cas.Repository:

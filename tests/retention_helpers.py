@@ -12,8 +12,8 @@ import torch
 
 import cas
 from cas.blobstore import MemoryBlobStore
-from cas.config import StoreConfig
-from cas.repo import Repository
+from cas.repo.config import StoreConfig
+from cas.repo.repository import Repository
 
 
 class FakeClock:

@@ -122,7 +122,7 @@ def test_a_store_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_manifest_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
-    from cas.manifest import decode_manifest, encode_manifest
+    from cas.model.manifest import decode_manifest, encode_manifest
 
     repo = cas.open(tmp_path / "store")
     repo.save({"w": torch.ones(3)}, "r")
@@ -134,7 +134,7 @@ def test_a_manifest_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
 def test_hostile_manifest_paths_are_refused(tmp_path: Path) -> None:
     import msgpack
 
-    from cas.manifest import decode_manifest
+    from cas.model.manifest import decode_manifest
 
     for path in ["../../etc/passwd", "/etc/passwd", "a/../../b", "a\x00b"]:
         doc = {

@@ -18,12 +18,12 @@ from cas.blobstore import (
     ReadOnlyBlobStore,
     open_blobstore,
 )
-from cas.blobstore.faulty import FaultyBlobStore
 from cas.blobstore.fsspec_store import FsspecBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.blobstore.s3 import S3BlobStore
 from cas.errors import ReadOnlyError
 from cas.testing import BlobStoreConformance, ManualClock
+from cas.testing.faulty import FaultyBlobStore
 
 
 class TestMemoryBlobStore(BlobStoreConformance):

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from cas.blobstore import MemoryBlobStore
-from cas.blobstore.faulty import FaultyBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.errors import InvalidName, NotFound, PreconditionFailed, TransientBackendError
+from cas.testing.faulty import FaultyBlobStore
 
 
 def _retrying(

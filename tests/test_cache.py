@@ -9,17 +9,17 @@ import pytest
 import torch
 
 import cas
-from cas.archive import archive
 from cas.blobstore import LocalBlobStore, MemoryBlobStore
-from cas.blobstore.faulty import FaultyBlobStore
+from cas.blobstore.cache import CachingBlobStore
 from cas.blobstore.s3 import S3BlobStore
-from cas.cache import CachingBlobStore
-from cas.config import StoreConfig, read_config
 from cas.digest import digest_of
 from cas.errors import IntegrityError
-from cas.objects import chunk_key
-from cas.repo import Repository
-from cas.transfer import pull
+from cas.objects.store import chunk_key
+from cas.repo.config import StoreConfig, read_config
+from cas.repo.repository import Repository
+from cas.sync.archive import archive
+from cas.sync.transfer import pull
+from cas.testing.faulty import FaultyBlobStore
 from tests.helpers import assert_bit_exact, chunk_files, small_chunk_repo
 
 CONFIG = StoreConfig(chunk_size=64 << 10, inline_max=256)
@@ -142,7 +142,7 @@ def test_a_reused_chunk_reports_the_base_the_remote_copy_needs_not_the_cached_on
     import numpy as np
 
     from cas.codecs import EncodeHints, codec_by_name
-    from cas.objects import ObjectStore
+    from cas.objects.store import ObjectStore
 
     remote, local = MemoryBlobStore(), MemoryBlobStore()
     through_cache, elsewhere = ObjectStore(CachingBlobStore(local, remote)), ObjectStore(remote)

@@ -16,10 +16,10 @@ import cas
 from cas.blobstore import MemoryBlobStore
 from cas.codecs import EncodeHints, all_codecs, codec_by_name
 from cas.codecs.bytegroup import PLANE_STORED, PLANE_ZSTD, PlaneTable
-from cas.config import StoreConfig
 from cas.digest import Digest, digest_of, digest_to_bytes
 from cas.errors import FormatError, IntegrityError
-from cas.objects import ObjectStore, chunk_key, encode_header
+from cas.objects.store import ObjectStore, chunk_key, encode_header
+from cas.repo.config import StoreConfig
 from tests.helpers import assert_bit_exact
 
 DTYPES = [

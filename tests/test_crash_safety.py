@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import cas
-from cas.objects import parse_envelope
-from cas.verify import verify
+from cas.objects.store import parse_envelope
+from cas.retention.verify import verify
 from tests.crash_writer import expected_state, write_forever
 
 

@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 import cas
 from cas.cli import cli
 from cas.codecs import EncodeHints, codec_by_name
-from cas.config import StoreConfig
 from cas.digest import Digest
-from cas.manifest import Manifest
-from cas.objects import ObjectStore, PutResult, chunk_key
-from cas.recode import recode_chunk, recode_manifest
-from cas.usage import manifest_usage, stored_bytes
+from cas.model.manifest import Manifest
+from cas.objects.recode import recode_chunk, recode_manifest
+from cas.objects.store import ObjectStore, PutResult, chunk_key
+from cas.repo.config import StoreConfig
+from cas.retention.usage import manifest_usage, stored_bytes
 from tests.helpers import assert_bit_exact, local_root
 
 CHUNK = 16 << 10
@@ -63,7 +63,7 @@ def _clone(value: Any) -> Any:
 
 
 def tensor_encodings(repo: cas.Repository, ref: str) -> dict[str, dict[str, Any]]:
-    from cas.state import iter_tensor_paths
+    from cas.model.state import iter_tensor_paths
 
     manifest = repo.manifest(ref)
     return {p: manifest.tensors[i].encoding or {} for p, i in iter_tensor_paths(manifest.tree)}
@@ -472,7 +472,7 @@ def test_a_push_onto_a_chunk_the_destination_stored_as_a_delta_keeps_it_decodabl
     # The destination already holds states[1]'s chunks as deltas against states[0] (refs a, b);
     # the source pushes the same bytes stored standalone, whose manifest records no base. The
     # pushed checkpoint must survive a GC that keeps only it.
-    from cas.transfer import push
+    from cas.sync.transfer import push
 
     states = training_states(2)
     dst = delta_repo(tmp_path / "dst")
@@ -509,7 +509,7 @@ def test_a_save_after_a_push_records_the_base_any_entry_lists_for_a_chunk(tmp_pa
     # to Y, a delta whose chain lists B. The destination stores X against B, which the push
     # accepts because t1 lists B. A save against that manifest must learn X's chain from both
     # entries, or its delta against X records no B and GC sweeps B.
-    from cas.transfer import push
+    from cas.sync.transfer import push
 
     x, b, other = _noise(1), _noise(2), _noise(3)
     src = delta_repo(tmp_path / "src", codec="xor-delta")
@@ -531,7 +531,7 @@ def test_a_skipped_chunk_swept_during_a_push_is_stored_again_before_the_ref_move
     tmp_path: Path,
 ) -> None:
     from cas.digest import digest_of
-    from cas.transfer import push
+    from cas.sync.transfer import push
 
     first = _noise(4)
     second = _nudged(first, 5)

@@ -15,7 +15,7 @@ import pytest
 import cas.blobstore.direct as direct
 from cas.blobstore.local import TMP_DIR, LocalBlobStore
 from cas.errors import BackendError
-from cas.objects import HEADER_SIZE, chunk_key
+from cas.objects.store import HEADER_SIZE, chunk_key
 
 pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this platform has no O_DIRECT")
 
@@ -186,7 +186,7 @@ def test_a_managers_background_saves_skip_the_page_cache_and_plain_saves_do_not(
     import torch
 
     import cas
-    from cas.manager import CheckpointManager
+    from cas.training.manager import CheckpointManager
 
     repo = cas.open(tmp_path / "store")
     state = {"w": torch.randn(1 << 19)}  # 2 MiB: one chunk
@@ -247,7 +247,7 @@ def test_a_direct_write_that_fails_leaves_no_temp_file_and_no_blob(
 def test_the_stager_starts_large_tensors_where_their_raw_chunks_write_in_place() -> None:
     import torch
 
-    from cas.async_save import Stager
+    from cas.training.async_save import Stager
 
     dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.bool, torch.complex128]
     large = {str(dtype): torch.ones(MiB // dtype.itemsize, dtype=dtype) for dtype in dtypes}
@@ -277,8 +277,8 @@ def test_an_async_save_writes_its_chunks_from_the_staging_buffers_without_copyin
     import torch
 
     import cas
-    from cas.async_save import Stager, StagingSet
-    from cas.manager import CheckpointManager
+    from cas.training.async_save import Stager, StagingSet
+    from cas.training.manager import CheckpointManager
 
     staged: list[memoryview] = []
     real_snapshot = Stager.snapshot

@@ -19,8 +19,8 @@ import torch
 
 from cas.errors import FormatError, InvalidName
 from cas.formats import FileLayout, TensorRegion, inspect_file
-from cas.formats.export import VALUES_METADATA_KEY, flatten_state, write_safetensors, write_torch
 from cas.formats.hfdir import inspect_directory
+from cas.formats.writers import VALUES_METADATA_KEY, flatten_state, write_safetensors, write_torch
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

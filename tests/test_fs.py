@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 import cas
 from cas.digest import Digest
 from cas.errors import IntegrityError
-from cas.fs import CASFileSystem
-from cas.fsview_torch import torch_view
-from cas.manifest import ChunkRef, TensorEntry
-from cas.objects import chunk_key
+from cas.fs.filesystem import CASFileSystem
+from cas.fs.torch_view import torch_view
+from cas.model.manifest import ChunkRef, TensorEntry
+from cas.objects.store import chunk_key
 from tests.helpers import assert_bit_exact, chunk_files, local_root, small_chunk_repo, trained_state
 
 CHUNK = 64 << 10
@@ -554,7 +554,7 @@ def test_lightning_model_checkpoint_writes_into_the_store(tmp_path: Path, monkey
 def test_the_mount_reports_the_pinned_size_on_an_open_handle(
     repo: cas.Repository, fs: CASFileSystem
 ) -> None:
-    from cas.fuse_mount import ReadOnlyCAS
+    from cas.fs.fuse import ReadOnlyCAS
 
     fs.pipe("ckpts/f1/data.bin", b"x" * 100)
     ops = ReadOnlyCAS(fs, "ckpts")

@@ -15,7 +15,7 @@ import fsspec.tests.abstract as abstract
 import pytest
 from fsspec.tests.abstract import AbstractFixtures
 
-from cas.fs import CASFileSystem
+from cas.fs.filesystem import CASFileSystem
 
 
 class LocalStoreFixtures(AbstractFixtures):  # type: ignore[misc]

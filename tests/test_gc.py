@@ -18,16 +18,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cas.cli import cli
 from cas.codecs import codec_by_name
-from cas.config import StoreConfig
 from cas.digest import digest_of
 from cas.errors import FormatError, IntegrityError, LeaseExpired, NotFound, RefConflict
-from cas.gc import GCSettings, plan_gc
-from cas.manifest import ChunkRef, Manifest, TensorEntry
-from cas.objects import chunk_key, manifest_key
-from cas.retention import RetentionPolicy, Rule
-from cas.state import encode_state
-from cas.sweep import TRASH_DIR
-from cas.verify import verify
+from cas.model.manifest import ChunkRef, Manifest, TensorEntry
+from cas.model.state import encode_state
+from cas.objects.store import chunk_key, manifest_key
+from cas.repo.config import StoreConfig
+from cas.retention.gc import GCSettings, plan_gc
+from cas.retention.policy import RetentionPolicy, Rule
+from cas.retention.sweep import TRASH_DIR
+from cas.retention.verify import verify
 from tests.helpers import assert_bit_exact
 from tests.retention_helpers import (
     FakeClock,

@@ -16,12 +16,12 @@ from typing import Any
 
 import cas
 from cas.errors import LeaseExpired
-from cas.gc import GCResult, GCSettings, plan_gc
-from cas.leases import break_lock
-from cas.manifest import Manifest
-from cas.state import encode_state
-from cas.sweep import TRASH_DIR
-from cas.verify import verify
+from cas.model.manifest import Manifest
+from cas.model.state import encode_state
+from cas.refs.leases import break_lock
+from cas.retention.gc import GCResult, GCSettings, plan_gc
+from cas.retention.sweep import TRASH_DIR
+from cas.retention.verify import verify
 from tests.gc_workers import CHUNK, state, writer_loop
 from tests.helpers import assert_bit_exact
 from tests.retention_helpers import chunk_digests, local_repo, reachable_chunks, tensor

@@ -51,7 +51,7 @@ def test_hf_trainer_checkpoints_land_in_the_store_byte_identical(
     model = tiny_bert()
     from transformers import Trainer, TrainingArguments
 
-    from cas.integrations.hf import CASCallback, restore_checkpoint
+    from cas.training.integrations.hf import CASCallback, restore_checkpoint
 
     repo = cas.open(tmp_path / "store")
     callback = CASCallback(repo, "runs/bert", async_ingest=async_ingest)
@@ -86,7 +86,7 @@ def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
     model = tiny_bert()
     from transformers import Trainer, TrainingArguments
 
-    from cas.integrations.hf import CASCallback
+    from cas.training.integrations.hf import CASCallback
 
     repo = cas.open(tmp_path / "store")
     put_path = repo.put_path
@@ -119,7 +119,7 @@ def test_lightning_saves_prunes_and_resumes_through_the_store(tmp_path: Path) ->
     L = pytest.importorskip("lightning")
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from cas.integrations.lightning import CASCheckpointIO
+    from cas.training.integrations.lightning import CASCheckpointIO
 
     class Regressor(L.LightningModule):  # type: ignore[misc,name-defined]
         def __init__(self, width: int = 8) -> None:
@@ -194,7 +194,7 @@ def test_dcp_round_trip_writes_no_files_and_dedups_a_second_save(tmp_path: Path)
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from cas.integrations.dcp import CASStorageReader, CASStorageWriter
+    from cas.training.integrations.dcp import CASStorageReader, CASStorageWriter
 
     repo = cas.open(tmp_path / "store")
     model, opt = trained()
@@ -226,7 +226,7 @@ def test_dcp_round_trip_writes_no_files_and_dedups_a_second_save(tmp_path: Path)
 def test_dcp_async_save_commits_the_ref_when_its_future_completes(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    from cas.integrations.dcp import CASStorageWriter
+    from cas.training.integrations.dcp import CASStorageWriter
 
     repo = cas.open(tmp_path / "store")
     model, _ = trained()
@@ -245,7 +245,7 @@ def test_dcp_refuses_pickled_values_that_need_arbitrary_classes(tmp_path: Path) 
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from cas.integrations.dcp import CASStorageReader, CASStorageWriter
+    from cas.training.integrations.dcp import CASStorageReader, CASStorageWriter
 
     repo = cas.open(tmp_path / "store")
     save(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cas
-from cas.verify import verify
+from cas.retention.verify import verify
 from tests.helpers import local_root, small_chunk_repo
 
 

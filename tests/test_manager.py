@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import cas
-from cas.async_save import AsyncSaveError, AsyncWriter
 from cas.blobstore import LocalBlobStore
-from cas.config import StoreConfig
 from cas.errors import NotFound
-from cas.history import TAIL_MAX, TrainingHistory
-from cas.manager import (
+from cas.repo.config import StoreConfig
+from cas.training.async_save import AsyncSaveError, AsyncWriter
+from cas.training.history import TAIL_MAX, TrainingHistory
+from cas.training.manager import (
     CheckpointManager,
     ConfigMismatch,
     StrictLoadError,
@@ -435,7 +435,7 @@ def test_corrupted_latest_falls_back_with_a_warning_and_reports_it(
         train_step(model, opt)
         bad = mgr.save(2, state_of(model, opt)).result()
     corrupt_first_chunk(repo, bad.ref)
-    with caplog.at_level(logging.WARNING, logger="cas.manager"), manager(repo) as mgr:
+    with caplog.at_level(logging.WARNING, logger="cas.training.manager"), manager(repo) as mgr:
         restored = mgr.restore("resume")
     assert restored.ref == good.ref and restored.step == 1
     assert [s.ref for s in restored.fallbacks] == [bad.ref]
@@ -617,7 +617,7 @@ def test_saves_and_resume_work_against_real_s3_with_conditional_refs(s3_url: str
 
 
 def test_hydra_fifo_retention_as_the_policy_spares_best_and_gate(repo: cas.Repository) -> None:
-    retention = pytest.importorskip("cas.retention")
+    retention = pytest.importorskip("cas.retention.policy")
     policy = retention.RetentionPolicy(
         rules=(
             retention.Rule(
@@ -644,7 +644,7 @@ def test_hydra_fifo_retention_as_the_policy_spares_best_and_gate(repo: cas.Repos
 
 
 def test_the_cpu_copy_is_exact_for_every_layout_and_keeps_tied_tensors_tied() -> None:
-    from cas.async_save import Stager
+    from cas.training.async_save import Stager
 
     tied = torch.randn(4, 4)
     state: dict[str, Any] = {
@@ -673,7 +673,7 @@ def test_the_cpu_copy_is_exact_for_every_layout_and_keeps_tied_tensors_tied() ->
 def test_a_save_commits_checkpoint_history_and_latest_under_one_writer_lease(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cas.leases import WriterLease
+    from cas.refs.leases import WriterLease
 
     acquired: list[str] = []
     real_acquire = WriterLease.acquire

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import cas
-from cas.fuse_mount import fuse_unavailable_reason
-from cas.objects import chunk_key
+from cas.fs.fuse import fuse_unavailable_reason
+from cas.objects.store import chunk_key
 from tests.helpers import local_root, trained_state
 
 REASON = fuse_unavailable_reason()

@@ -10,7 +10,7 @@ import torch
 
 import cas
 from cas.errors import NotFound
-from cas.pool import FrozenAnchor, OpponentPool
+from cas.training.pool import FrozenAnchor, OpponentPool
 
 PREFIX = "runs/r1/phase3/opponent_pool"
 

@@ -11,15 +11,15 @@ import torch
 from click.testing import CliRunner
 
 import cas
-import cas.refs as refs_mod
+import cas.refs.store as refs_mod
 from cas.cli import cli
 from cas.digest import Digest
 from cas.errors import FormatError, NotFound, RefConflict
-from cas.gc import GCSettings, plan_gc
-from cas.manager import CheckpointManager
-from cas.objects import manifest_key
-from cas.refs import RefStore, ref_key
-from cas.verify import verify
+from cas.objects.store import manifest_key
+from cas.refs.store import RefStore, ref_key
+from cas.retention.gc import GCSettings, plan_gc
+from cas.retention.verify import verify
+from cas.training.manager import CheckpointManager
 from tests.retention_helpers import FakeClock, chunk_digests, local_repo, memory_repo, tensor
 
 

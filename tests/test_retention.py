@@ -11,11 +11,11 @@ from click.testing import CliRunner
 
 from cas.cli import cli
 from cas.errors import LockHeld
-from cas.evictions import read_evictions
-from cas.gc import GCSettings, plan_gc
-from cas.leases import MaintenanceLock
-from cas.retention import Best, RetentionPolicy, Rule, plan_forget
-from cas.space import disk_usage
+from cas.refs.leases import MaintenanceLock
+from cas.retention.evictions import read_evictions
+from cas.retention.gc import GCSettings, plan_gc
+from cas.retention.policy import Best, RetentionPolicy, Rule, plan_forget
+from cas.retention.space import disk_usage
 from tests.helpers import assert_bit_exact
 from tests.retention_helpers import (
     HOUR,

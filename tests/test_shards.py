@@ -14,7 +14,7 @@ import torch
 
 import cas
 from cas.errors import CASError, FormatError, NotFound
-from cas.shards import STAGING_PREFIX
+from cas.repo.shards import STAGING_PREFIX
 from tests.helpers import assert_bit_exact, small_chunk_repo
 from tests.s3_workers import (
     full_state,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cas
-from cas.verify import verify
+from cas.retention.verify import verify
 
 SCRIPT = Path(__file__).with_name("train_script.py")
 
@@ -119,7 +119,7 @@ def test_sigterm_then_resume_is_bit_identical_to_a_run_that_never_stopped(tmp_pa
     assert straight_meta["metrics"] == resumed_meta["metrics"]
 
     with cas.open(store) as repo:
-        from cas.history import TrainingHistory
+        from cas.training.history import TrainingHistory
 
         losses = {
             r["step"]: r["loss"]
@@ -191,7 +191,7 @@ def test_corrupted_latest_falls_back_to_the_previous_checkpoint_and_says_so(
 
 
 def test_handlers_detached_off_the_main_thread_pass_signals_on(tmp_path: Path) -> None:
-    from cas.signals import SignalTriggers
+    from cas.training.signals import SignalTriggers
 
     seen: list[int] = []
     before = {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in

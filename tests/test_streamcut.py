@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from cas.chunking import layout_cuts
 from cas.formats import inspect_file
-from cas.streamcut import StreamCutter
+from cas.objects.chunking import layout_cuts
+from cas.objects.streamcut import StreamCutter
 
 CHUNK, CDC_AVG, INLINE_MAX = 64 << 10, 16 << 10, 256
 

@@ -15,16 +15,16 @@ from click.testing import CliRunner
 
 import cas
 from cas.blobstore import LocalBlobStore
-from cas.blobstore.faulty import FaultyBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.blobstore.s3 import S3BlobStore
 from cas.cli import cli
-from cas.config import StoreConfig, write_config
 from cas.errors import BackendError, IntegrityError, RefConflict
-from cas.objects import chunk_key
-from cas.repo import Repository
+from cas.objects.store import chunk_key
+from cas.repo.config import StoreConfig, write_config
+from cas.repo.repository import Repository
+from cas.sync.transfer import LIST_MIN_KEYS, TransferConflict, find_missing, pull, push
+from cas.testing.faulty import FaultyBlobStore
 from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer
-from cas.transfer import LIST_MIN_KEYS, TransferConflict, find_missing, pull, push
 from tests.helpers import assert_bit_exact, small_chunk_repo
 
 CHUNK = 64 << 10
@@ -114,7 +114,7 @@ def test_push_after_changing_a_tenth_of_the_tensors_moves_about_a_tenth(
 def test_many_candidate_chunks_are_checked_by_listing_their_prefix(
     s3_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("cas.transfer.LIST_MIN_KEYS", 16)
+    monkeypatch.setattr("cas.sync.transfer.LIST_MIN_KEYS", 16)
     blobs = S3BlobStore.from_url(s3_url)
     keys = [f"chunks/00/00{i:062x}" for i in range(40)]
     for key in keys[::2]:
@@ -131,7 +131,7 @@ def test_a_push_that_finds_missing_chunks_by_listing_moves_only_those(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 4 KiB chunks: 640 keys, several per chunks/<xx>/ prefix, so a listing is the cheaper way.
-    monkeypatch.setattr("cas.transfer.LIST_MIN_KEYS", 16)
+    monkeypatch.setattr("cas.sync.transfer.LIST_MIN_KEYS", 16)
     local = small_chunk_repo(tmp_path / "local", chunk_size=4096)
     remote = small_chunk_repo(tmp_path / "remote", chunk_size=4096)
     state = layered_state(layers=10, seed=6)

@@ -22,8 +22,8 @@ import torch
 
 import cas
 from cas.blobstore import LocalBlobStore
-from cas.config import read_config
-from cas.manager import CheckpointManager
+from cas.repo.config import read_config
+from cas.training.manager import CheckpointManager
 
 CONFIG = {"lr": 3e-3, "width": 32, "batch": 16, "dropout": 0.1}
 

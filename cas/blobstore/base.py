@@ -171,7 +171,7 @@ class BlobStore(ABC):
     def drop_cached(self, key: str) -> bool:
         """Forget a local copy of ``key`` held in front of the real store; whether one was held.
 
-        Only caches hold such copies (``cas.cache``); readers call this when a cached object
+        Only caches hold such copies (``cas.blobstore.cache``); readers call this when a cached object
         fails verification, then read it again from the store itself.
         """
         return False

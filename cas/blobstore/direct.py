@@ -13,7 +13,7 @@ wholly inside a part whose address is congruent to its file offset modulo ``ALIG
 disk from where it lies; the others (a chunk's header with the head of its payload, the tail, any
 incongruent part) are assembled in a reused page-aligned buffer, the last one zero-padded, and the
 file is then truncated to its real length. A 4 MiB chunk cost 0.35-0.46 ms of CPU copied whole and
-0.23-0.35 ms written in place, so ``cas.async_save`` stages tensors where their chunks are
+0.23-0.35 ms written in place, so ``cas.training.async_save`` stages tensors where their chunks are
 congruent. Filesystems that refuse ``O_DIRECT`` (tmpfs on older kernels, some network and FUSE
 filesystems) raise ``DirectIOUnsupported`` and the caller falls back to buffered writes.
 """

@@ -36,8 +36,8 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     """Create a store (other commands create one on first use too)."""
     from dataclasses import replace
 
-    from cas.config import StoreConfig
-    from cas.encoding import standalone_codec
+    from cas.objects.encoding import standalone_codec
+    from cas.repo.config import StoreConfig
 
     config = StoreConfig()
     if chunk_size is not None:
@@ -349,7 +349,7 @@ def verify(
     obj: Context, refs: tuple[str, ...], full: bool, sample: float | None, as_json: bool
 ) -> None:
     """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem."""
-    from cas.verify import verify as run_verify
+    from cas.retention.verify import verify as run_verify
 
     repo = obj.open(create=False, readonly=not sample)
     level = "full" if full else "sample" if sample else "existence"

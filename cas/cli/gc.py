@@ -85,7 +85,7 @@ def run_gc(
     ``dry_run``; return the JSON document."""
     from dataclasses import replace
 
-    from cas.gc import GCSettings, plan_gc
+    from cas.retention.gc import GCSettings, plan_gc
 
     settings = GCSettings.from_config(repo.config.extra)
     settings = replace(
@@ -121,7 +121,7 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
     logical: bytes a reader gets back; stored: bytes on storage; exclusive: freed if the
     selection were removed (then `cas gc`); shared: stored bytes other refs also need.
     """
-    from cas.space import disk_usage
+    from cas.retention.space import disk_usage
 
     repo = obj.open(create=False, readonly=True)
     report = disk_usage(repo, selector)
@@ -149,7 +149,7 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
 @pass_ctx
 def stats(obj: Context, as_json: bool) -> None:
     """Chunk, manifest and ref counts, and how much dedup and compression save."""
-    from cas.space import store_stats
+    from cas.retention.space import store_stats
 
     repo = obj.open(create=False, readonly=True)
     s = store_stats(repo)
@@ -179,7 +179,7 @@ def leases(obj: Context, as_json: bool) -> None:
     import time
 
     from cas.errors import NotFound
-    from cas.leases import MAINTENANCE_LOCK_KEY, describe_lock, read_leases
+    from cas.refs.leases import MAINTENANCE_LOCK_KEY, describe_lock, read_leases
 
     repo = obj.open(create=False, readonly=True)
     now = time.time()
@@ -222,7 +222,7 @@ def leases(obj: Context, as_json: bool) -> None:
 @pass_ctx
 def unlock(obj: Context, yes: bool) -> None:
     """Break the maintenance lock of a `cas forget`/`cas gc` that died."""
-    from cas.leases import break_lock
+    from cas.refs.leases import break_lock
 
     if not yes and sys.stdin.isatty():
         click.confirm("Break the maintenance lock (only if no forget/gc is running)?", abort=True)

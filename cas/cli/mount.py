@@ -29,7 +29,7 @@ def mount(obj: Context, ref: str, mountpoint: Path, allow_other: bool) -> None:
     Example:
       cas mount runs/r1 /mnt/ckpt &  sha256sum /mnt/ckpt/checkpoint-500/model.safetensors
     """
-    from cas.fuse_mount import fuse_unavailable_reason, mount_readonly
+    from cas.fs.fuse import fuse_unavailable_reason, mount_readonly
 
     reason = fuse_unavailable_reason()
     if reason is not None:

@@ -118,7 +118,7 @@ def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
 
 def _rule_from(options: dict[str, Any]) -> Any:
     """A Rule from the rule flags, or None when no rule flag was given."""
-    from cas.retention import rule_from_options
+    from cas.retention.policy import rule_from_options
 
     given = {
         "name": options.pop("rule_name"),
@@ -165,7 +165,7 @@ def _policy_changes(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _policy_from_flags(repo: Any, options: dict[str, Any]) -> Any:
-    from cas.retention import RetentionPolicy, policy_with
+    from cas.retention.policy import RetentionPolicy, policy_with
 
     rule = _rule_from(options)
     changes = _policy_changes(options)
@@ -216,7 +216,7 @@ def forget(
       cas forget --select 'runs/*/phase*/ckpt_*' --max-count 20 --protect-targets-of 'runs/*/gates/*'
       cas policy set ... && cas forget --prune        (what a cron job runs)
     """
-    from cas.retention import plan_forget
+    from cas.retention.policy import plan_forget
 
     repo = obj.open(create=False)
     policy = _policy_from_flags(repo, options)
@@ -255,8 +255,8 @@ def policy() -> None:
 @pass_ctx
 def policy_show(obj: Context, as_json: bool) -> None:
     """The stored policy and GC settings."""
-    from cas.gc import GCSettings
-    from cas.retention import RetentionPolicy
+    from cas.retention.gc import GCSettings
+    from cas.retention.policy import RetentionPolicy
     from cas.units import format_duration
 
     repo = obj.open(create=False, readonly=True)
@@ -319,8 +319,8 @@ def _store_policy(
     from dataclasses import replace
 
     from cas.errors import FormatError
-    from cas.gc import GC_SECTION, GCSettings
-    from cas.retention import RetentionPolicy, policy_with
+    from cas.retention.gc import GC_SECTION, GCSettings
+    from cas.retention.policy import RetentionPolicy, policy_with
 
     repo = obj.open(create=False)
     rule = _rule_from(options)
@@ -348,7 +348,7 @@ def _store_policy(
             reflog_window=settings.reflog_window if window is None else window,
         )
         repo.config = repo.config.with_extra(GC_SECTION, settings.to_config())
-        from cas.config import write_config
+        from cas.repo.config import write_config
 
         write_config(repo.blobs, repo.config)
     for line in new.describe():
@@ -359,8 +359,8 @@ def _store_policy(
 @pass_ctx
 def policy_clear(obj: Context) -> None:
     """Remove the stored policy (a plain `cas forget` then refuses to run)."""
-    from cas.config import write_config
-    from cas.retention import RETENTION_SECTION
+    from cas.repo.config import write_config
+    from cas.retention.policy import RETENTION_SECTION
 
     repo = obj.open(create=False)
     repo.config = repo.config.with_extra(RETENTION_SECTION, None)
@@ -374,7 +374,7 @@ def policy_clear(obj: Context) -> None:
 @pass_ctx
 def policy_log(obj: Context, name: str | None, as_json: bool) -> None:
     """Records of an eviction log (without NAME: the logs there are)."""
-    from cas.evictions import eviction_logs, read_evictions
+    from cas.retention.evictions import eviction_logs, read_evictions
 
     repo = obj.open(create=False, readonly=True)
     if name is None:

@@ -66,7 +66,7 @@ def push(
     Only chunks the destination lacks are sent; its refs move last, by compare-and-swap.
     Interrupted, run it again: it sends only the rest.
     """
-    from cas.transfer import push as run_push
+    from cas.sync.transfer import push as run_push
 
     local = obj.open(create=False)
     remote = obj.open_url(url, config=local.config)
@@ -92,7 +92,7 @@ def pull(
 ) -> None:
     """Copy REFS (names, prefixes or globs) from the store at URL into this one."""
     from cas.errors import NotFound
-    from cas.transfer import pull as run_pull
+    from cas.sync.transfer import pull as run_pull
 
     remote = obj.open_url(url, create=False, readonly=True)
     try:
@@ -131,7 +131,7 @@ def archive(
 
     Bring one back with `cas pull REF --from URL`.
     """
-    from cas.archive import archive as run_archive
+    from cas.sync.archive import archive as run_archive
     from cas.units import parse_duration
 
     try:

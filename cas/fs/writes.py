@@ -1,0 +1,358 @@
+"""Writing through ``cas://``: stream files into chunks, then edit checkpoints by compare-and-swap.
+
+``ChunkWriter`` feeds the bytes to a ``StreamCutter`` and stores each cut on the repository's
+thread pool while the writer goes on (at most ``max_pending`` chunks in flight), so a file is
+never held whole in memory. Closing a ``CASWriteFile`` hands its ``FileRecord`` to the filesystem,
+which makes it visible by a compare-and-swap on the owning ref (``put_record``). Every change
+to a checkpoint's files (write, rename, remove) goes through ``edit_files``: read the ref, apply
+the change to its file table, commit the new manifest with the old target as ``expected``, and
+on ``RefConflict`` start over from the ref's new state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from fsspec.spec import AbstractBufferedFile
+
+from cas.codecs import EncodeHints
+from cas.digest import Digest
+from cas.errors import InvalidName, NotFound, RefConflict
+from cas.fs.views import FileRecord, file_records
+from cas.model.manifest import (
+    ChunkRef,
+    FileEntry,
+    FileRegion,
+    Manifest,
+    TensorEntry,
+    decode_manifest,
+)
+from cas.names import check_relative_path, parse_ref_name
+from cas.objects.chunking import Cut
+from cas.objects.chunkio import WriteStats, wait_all
+from cas.objects.streamcut import StreamCutter, StreamRegion
+from cas.refs.leases import WriterLease
+
+if TYPE_CHECKING:
+    from cas.fs.filesystem import CASFileSystem
+    from cas.repo.repository import Repository
+
+MAX_REF_RETRIES = 64
+"""Compare-and-swap attempts on one ref before a write gives up with RefConflict."""
+
+
+def read_only_state(ref: str) -> PermissionError:
+    """The error for writing into a ref that holds a saved state."""
+    return PermissionError(
+        errno.EROFS, "this ref holds a state saved by Repository.save; its files are read-only views", ref
+    )
+
+
+def _is_under(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(root + "/")
+
+
+def files_manifest(
+    files: dict[str, FileRecord], meta: dict[str, Any], parent: Digest | None,
+    created_at: float, chunk_size: int,
+) -> Manifest:
+    """A ``kind="files"`` manifest of ``files``, its tensor table rebuilt in path order."""
+    tensors: list[TensorEntry] = []
+    entries: dict[str, FileEntry] = {}
+    for path in sorted(files):
+        record = files[path]
+        regions = []
+        for region, tensor in zip(record.entry.regions, record.tensors, strict=True):
+            regions.append(FileRegion(region.name, len(tensors), region.offset))
+            tensors.append(tensor)
+        entries[path] = replace(record.entry, regions=tuple(regions))
+    return Manifest(
+        kind="files", tensors=tuple(tensors), files=entries, meta=meta,
+        created_at=created_at, parent=parent, chunk_size=chunk_size,
+    )
+
+
+class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
+    """A file being written: chunked and stored as it streams in, visible once closed.
+
+    A writer lease is held from open to commit, so GC spares the chunks stored so far; a lease
+    that expired aborts the commit (invariant 5). A ``with`` block that raises discards the file.
+    """
+
+    def __init__(self, fs: CASFileSystem, path: str, mode: str, block_size: int, autocommit: bool) -> None:
+        super().__init__(fs, path, mode=mode, block_size=block_size, autocommit=autocommit, cache_type="none")
+        self.stats = WriteStats()
+        repo = fs.repo
+        settings = repo.leases.settings
+        self._lease = WriterLease(repo.blobs, repo.clock, settings, "fs-write").acquire() if settings.enabled else None
+        self._writer = ChunkWriter(repo, self.stats)
+        self._record: FileRecord | None = None
+        self._discarded = False
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        if self._lease is not None:
+            self._lease.maybe_refresh()
+        view = self.buffer.getbuffer()
+        try:
+            self._writer.write(view)
+        finally:
+            view.release()
+        if final:
+            self._record = self._writer.finish()
+            for name, value in self.stats.as_dict().items():
+                setattr(self.fs.write_stats, name, getattr(self.fs.write_stats, name) + value)
+            if self.autocommit:
+                self.commit()
+        return True
+
+    def commit(self) -> None:
+        """Add the file to its checkpoint (called on close unless in a transaction)."""
+        if self._discarded:
+            return  # a write that failed inside a transaction: the others still commit
+        if self._record is None:
+            raise ValueError("nothing to commit: the file is not closed")
+        try:
+            if self._lease is not None:
+                self._lease.check()
+            put_record(self.fs, self.path, self._record, exclusive=self.mode == "xb")
+        finally:
+            self._release()
+
+    def discard(self) -> None:
+        """Drop the file; its chunks are unreferenced and left to GC."""
+        self._record = None
+        self._discarded = True
+        self._release()
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None and not self.closed:
+            self.autocommit = False  # a write that failed half way never becomes visible
+            try:
+                self.close()
+            finally:
+                self.discard()
+            return
+        self.close()
+
+    def fileno(self) -> int:
+        """No OS file backs this stream (callers such as DCP fall back to not fsyncing it)."""
+        raise io.UnsupportedOperation("cas:// files have no file descriptor")
+
+
+class ChunkWriter:
+    """Feeds a stream to a StreamCutter and stores each cut on the repository's thread pool."""
+
+    def __init__(self, repo: Repository, stats: WriteStats, max_pending: int = 8) -> None:
+        self.repo = repo
+        self.stats = stats
+        self.codec = repo.codec()
+        self.max_pending = max_pending
+        self.cutter = StreamCutter(self._emit, repo.config.chunk_size, repo.config.cdc_avg_size,
+                                   repo.config.inline_max)
+        self.pending: list[tuple[Future[ChunkRef], StreamRegion | None]] = []
+        self._waited = 0
+
+    def write(self, data: memoryview) -> None:
+        """Take more bytes of the stream."""
+        if len(data):
+            self.cutter.write(data)
+
+    def _emit(self, cut: Cut, data: bytes, region: StreamRegion | None) -> None:
+        hints = EncodeHints(elem_size=region.elem_size if region else 1, level=self.repo.config.compression_level)
+        (future,) = self.repo.io.write_cuts(memoryview(data), [Cut(0, cut.size)], self.codec, hints, self.stats)
+        self.pending.append((future, region))
+        while len(self.pending) - self._waited > self.max_pending:
+            self.pending[self._waited][0].result()  # bound the bytes held in flight
+            self._waited += 1
+
+    def finish(self) -> FileRecord:
+        """End the stream, wait for every chunk, and describe the file for its manifest."""
+        self.cutter.finish()
+        wait_all(f for f, _ in self.pending)
+        chunks = tuple(f.result() for f, _ in self.pending)
+        regions: list[FileRegion] = []
+        tensors: list[TensorEntry] = []
+        complete = {id(t) for t in self.cutter.complete_tensors()}
+        for region in self.cutter.regions:
+            if region.tensor is None or id(region.tensor) not in complete:
+                continue
+            own = tuple(c for c, (_, r) in zip(chunks, self.pending, strict=True) if r is region)
+            t = region.tensor
+            regions.append(FileRegion(t.name, len(tensors), t.offset))
+            tensors.append(TensorEntry("torch", t.dtype, tuple(t.shape), t.nbytes, own))
+        fmt = self.cutter.format
+        entry = FileEntry(self.cutter.size, fmt, chunks, tuple(regions), 0o644)
+        return FileRecord(entry, tuple(tensors))
+
+
+def file_location(fs: CASFileSystem, path: str) -> tuple[str, str]:
+    """Where a file at ``path`` goes: the owning ref, or a new ref at its parent directory."""
+    ref, rel = fs._owner(path)
+    if ref is not None and rel:
+        return ref, _file_name(rel, path)
+    if ref is not None:
+        raise IsADirectoryError(errno.EISDIR, "a ref is a directory", path)
+    parts = path.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            ref = parse_ref_name("/".join(parts[:i]))
+        except InvalidName:
+            continue
+        return ref, _file_name("/".join(parts[i:]), path)
+    raise PermissionError(
+        errno.EACCES,
+        "a file needs a checkpoint directory: write cas://<ref>/<file> with a valid ref name",
+        path,
+    )
+
+
+def _file_name(rel: str, path: str) -> str:
+    """``rel`` if a manifest may hold it as a file path, else an OSError (EINVAL)."""
+    try:
+        return check_relative_path(rel)
+    except InvalidName:
+        raise OSError(
+            errno.EINVAL, "not a valid file path inside a checkpoint (empty, '.' or '..' "
+            "components, backslashes and control characters are refused)", path,
+        ) from None
+
+
+def edit_files(
+    fs: CASFileSystem, ref: str, edit: Callable[[dict[str, FileRecord]], dict[str, FileRecord]], *,
+    create: bool, op: str, message: str,
+) -> Digest:
+    """Change a ref's files by compare-and-swap, re-reading and retrying when another wins."""
+    for _ in range(MAX_REF_RETRIES):
+        record = fs.repo.refs_store.try_get(ref)
+        if record is None:
+            if not create:
+                raise FileNotFoundError(errno.ENOENT, "no such ref", ref)
+            files: dict[str, FileRecord] = {}
+            meta: dict[str, Any] = {"source": "cas://"}
+        else:
+            manifest = decode_manifest(fs.repo.objects.get_manifest(record.target))
+            if manifest.kind != "files":
+                raise read_only_state(ref)
+            files, meta = file_records(manifest), manifest.meta
+        new_manifest = files_manifest(
+            edit(dict(files)), meta, record.target if record else None,
+            fs.repo.clock(), fs.repo.config.chunk_size,
+        )
+        try:
+            digest = fs.repo.commit(
+                new_manifest, ref, expected=record.target if record else None, op=op, message=message
+            )
+        except RefConflict:
+            fs.invalidate_cache()
+            continue
+        fs.invalidate_cache()
+        return digest
+    raise RefConflict(f"ref {ref!r} kept changing under {MAX_REF_RETRIES} attempts to {op}")
+
+
+def put_record(fs: CASFileSystem, path: str, record: FileRecord, *, exclusive: bool = False) -> None:
+    """Make a file visible: add or replace its entry in the owning ref (the commit point)."""
+    for _ in range(MAX_REF_RETRIES):
+        ref, rel = file_location(fs, path)
+
+        def add(files: dict[str, FileRecord], rel: str = rel) -> dict[str, FileRecord]:
+            if exclusive and rel in files:
+                raise FileExistsError(errno.EEXIST, "file exists", path)
+            check_file_fits(files, rel, path)
+            files[rel] = record
+            return files
+
+        try:
+            edit_files(fs, ref, add, create=True, op="fs-write", message=rel)
+            return
+        except FileNotFoundError:
+            fs.invalidate_cache()  # the ref vanished between lookup and edit
+    raise RefConflict(f"could not place {path!r}: its checkpoint kept changing")
+
+
+def check_file_fits(files: Mapping[str, object], rel: str, path: str) -> None:
+    """Refuse a file at ``rel`` over a directory of ``files`` or below one of its files."""
+    if any(name.startswith(rel + "/") for name in files):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        if "/".join(parts[:i]) in files:
+            raise NotADirectoryError(errno.ENOTDIR, "a parent of this path is a file", path)
+
+
+def rename_within_ref(fs: CASFileSystem, src: str, dst: str) -> bool:
+    """Rename an ingested file inside its checkpoint by one compare-and-swap; False if ``dst``
+    belongs to another checkpoint (the caller then copies the entry and removes the source)."""
+    ref, rel = fs._owner(src)
+    _, _, view = fs._file(src)
+    if ref is None or view.record is None or file_location(fs, dst)[0] != ref:
+        return False
+    new_rel = file_location(fs, dst)[1]
+
+    def rename(files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        if rel not in files:
+            raise FileNotFoundError(errno.ENOENT, "no such file", src)
+        files[new_rel] = files.pop(rel)
+        return files
+
+    edit_files(fs, ref, rename, create=False, op="fs-mv", message=f"{rel} -> {new_rel}")
+    return True
+
+
+def remove(fs: CASFileSystem, path: Any, recursive: bool, maxdepth: int | None) -> None:
+    """Delete files and directories; a ref removed whole is deleted (chunks wait for GC)."""
+    fs.invalidate_cache()  # decide what to delete from a fresh listing, not a cached one
+    paths = fs.expand_path(path, recursive=recursive, maxdepth=maxdepth)
+    files: dict[str, set[str]] = {}
+    dirs: list[str] = []
+    for p in paths:
+        info = fs.info(p)
+        if info["type"] == "directory":
+            dirs.append(p)
+            continue
+        ref, rel = fs._owner(p)
+        assert ref is not None
+        files.setdefault(ref, set()).add(rel)
+    whole = {d: fs._target(d) for d in dirs if recursive and maxdepth is None and fs._owner(d) == (d, "")}
+    for ref, rels in files.items():
+        if any(_is_under(ref, w) for w in whole):
+            continue
+
+        def drop(records: dict[str, FileRecord], rels: set[str] = rels) -> dict[str, FileRecord]:
+            return {k: v for k, v in records.items() if k not in rels}
+
+        edit_files(fs, ref, drop, create=False, op="fs-rm", message=" ".join(sorted(rels)))
+    for ref in sorted(whole, reverse=True):
+        with contextlib.suppress(NotFound):  # a ref written meanwhile is a RefConflict
+            fs.repo.refs_store.delete(ref, expected=whole[ref])
+    for d in sorted(dirs, reverse=True):
+        if d in whole:
+            continue
+        if not recursive:
+            fs.rmdir(d)
+        elif fs.exists(d):
+            fs._drop_if_empty(d)
+    fs._pseudo_dirs = {p for p in fs._pseudo_dirs if not any(_is_under(p, d) for d in dirs)}
+    fs.invalidate_cache()
+
+
+class TextWriteFile(io.TextIOWrapper):
+    """Text-mode writing (``fs.open(path, "w")``): like the binary file, a ``with`` block that
+    raises discards the file instead of committing what was written so far."""
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None and isinstance(self.buffer, CASWriteFile):
+            self.buffer.__exit__(exc_type, *rest)
+            return
+        super().__exit__(exc_type, *rest)

@@ -1,0 +1,239 @@
+"""Nested training state <-> manifest tree plus raw tensor bytes, with no pickle anywhere.
+
+A state is any nesting of dicts (str or int keys), lists and tuples whose leaves are tensors,
+numpy arrays and scalars, ints, floats, strings, bytes, bools, None, ``torch.dtype`` and
+``torch.device``. Containers become tagged msgpack maps (``{"~": "dict", "items": [[k, v], ...]}``),
+plain values stay plain, and each tensor becomes ``{"~": "tensor", "i": n}``, an index into the
+manifest's tensor table. The same tensor object reached twice is stored once and comes back as
+one object (tied weights stay tied).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cas.errors import FormatError
+from cas.model.manifest import ITEMSIZE
+
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One tensor to store: how to rebuild it, and its bytes as a flat uint8 view."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+    path: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return len(self.data)
+
+    @property
+    def elem_size(self) -> int:
+        """Bytes per element (1 for numpy scalars of odd types is never wrong for codecs)."""
+        return max(1, self.data.nbytes // max(1, math.prod(self.shape)))
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; unknown names are a FormatError."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or name not in ITEMSIZE:
+        raise FormatError(f"dtype {name!r} is not supported by this torch")
+    return dtype
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's elements as a flat little-endian uint8 view, copying only when it must."""
+    if tensor.layout != torch.strided:
+        raise FormatError(f"cannot store a {tensor.layout} tensor; convert it to dense first")
+    if tensor.is_quantized:
+        raise FormatError("cannot store a quantized tensor; dequantize it first")
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    if array.dtype.hasobject or array.dtype.fields is not None:
+        raise FormatError(f"cannot store a numpy array of dtype {array.dtype} (objects/records)")
+    contiguous = np.ascontiguousarray(array)
+    if contiguous.dtype.byteorder == ">":
+        contiguous = contiguous.astype(contiguous.dtype.newbyteorder("<"))
+    return memoryview(contiguous.reshape(-1).view(np.uint8)).cast("B")  # type: ignore[arg-type]
+
+
+def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
+    """Turn a nested state into a msgpack-ready tree and the list of tensors it references."""
+    sources: list[TensorSource] = []
+    seen: dict[int, int] = {}
+    keep_alive: list[Any] = []
+
+    def add(obj: Any, source: Callable[[], TensorSource]) -> dict[str, Any]:
+        index = seen.get(id(obj))
+        if index is None:
+            index = len(sources)
+            sources.append(source())
+            seen[id(obj)] = index
+            keep_alive.append(obj)  # ids stay unique only while the objects live
+        return {"~": "tensor", "i": index}
+
+    def walk(obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, float, str, bytes)):
+            return obj
+        if isinstance(obj, int):
+            return obj if _INT_MIN <= obj <= _INT_MAX else {"~": "int", "v": str(obj)}
+        if isinstance(obj, torch.Tensor):
+            return add(
+                obj,
+                lambda: TensorSource(
+                    "torch", torch_dtype_name(obj.dtype), tuple(obj.shape), tensor_bytes(obj), path
+                ),
+            )
+        if isinstance(obj, np.ndarray):
+            return add(
+                obj,
+                lambda: TensorSource(
+                    "numpy",
+                    obj.dtype.newbyteorder("<").str,
+                    tuple(obj.shape),
+                    _numpy_bytes(obj),
+                    path,
+                ),
+            )
+        if isinstance(obj, np.generic):
+            array = np.asarray(obj)
+            return add(
+                obj,
+                lambda: TensorSource(
+                    "numpy_scalar", array.dtype.newbyteorder("<").str, (), _numpy_bytes(array), path
+                ),
+            )
+        if isinstance(obj, dict):
+            items = []
+            for key, value in obj.items():
+                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                    raise FormatError(f"dict key {key!r} at {path or '/'} must be a str or int")
+                items.append([key, walk(value, f"{path}.{key}" if path else str(key))])
+            return {"~": "dict", "items": items}
+        if isinstance(obj, (list, tuple)):
+            tag = "tuple" if isinstance(obj, tuple) else "list"
+            return {
+                "~": tag,
+                "items": [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)],
+            }
+        if isinstance(obj, torch.dtype):
+            return {"~": "dtype", "v": torch_dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"~": "device", "v": str(obj)}
+        raise FormatError(
+            f"cannot store a {type(obj).__name__} at {path or '/'}: cas stores tensors, arrays, "
+            "numbers, strings, bytes, bools, None, dicts, lists and tuples (it never pickles)"
+        )
+
+    tree = walk(state, "")
+    return tree, sources
+
+
+def iter_tensor_paths(tree: Any, path: str = "") -> Iterator[tuple[str, int]]:
+    """Yield ``(path, tensor_index)`` for every tensor leaf of an encoded tree."""
+    if isinstance(tree, dict):
+        tag = tree.get("~")
+        if tag == "tensor":
+            yield path, int(tree["i"])
+        elif tag == "dict":
+            for key, value in tree["items"]:
+                yield from iter_tensor_paths(value, f"{path}.{key}" if path else str(key))
+        elif tag in ("list", "tuple"):
+            for i, value in enumerate(tree["items"]):
+                yield from iter_tensor_paths(value, f"{path}.{i}" if path else str(i))
+
+
+def decode_state(
+    tree: Any, tensor: Callable[[int], Any], select: Callable[[str], bool] | None = None
+) -> Any:
+    """Rebuild a state from a tree; ``tensor(i)`` materialises table entry ``i``.
+
+    With ``select``, only leaves whose path it accepts are kept: dicts drop the rest, lists and
+    tuples keep their length with ``None`` in unselected places, and empty containers vanish.
+    """
+    missing = object()
+
+    def walk(node: Any, path: str) -> Any:
+        if not isinstance(node, dict):
+            if select is not None and not select(path):
+                return missing
+            return node
+        tag = node.get("~")
+        if tag == "tensor":
+            if select is not None and not select(path):
+                return missing
+            return tensor(int(node["i"]))
+        if tag == "dict":
+            out: dict[Any, Any] = {}
+            for key, value in node["items"]:
+                if isinstance(key, (bytes, float, bool)):
+                    raise FormatError(f"corrupt manifest: bad dict key at {path}")
+                item = walk(value, f"{path}.{key}" if path else str(key))
+                if item is not missing:
+                    out[key] = item
+            if select is not None and not out and not (not node["items"] and select(path)):
+                return missing  # nothing selected inside (an empty dict only if named itself)
+            return out
+        if tag in ("list", "tuple"):
+            items = [
+                walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])
+            ]
+            if select is not None and all(i is missing for i in items) and (items or not select(path)):
+                return missing  # nothing selected inside (an empty list only if named itself)
+            values = [None if i is missing else i for i in items]
+            return tuple(values) if tag == "tuple" else values
+        if select is not None and not select(path):
+            return missing
+        if tag == "int":
+            return int(node["v"])
+        if tag == "dtype":
+            return torch_dtype(str(node["v"]))
+        if tag == "device":
+            return torch.device(str(node["v"]))
+        raise FormatError(f"corrupt manifest: unknown node tag {tag!r} at {path or '/'}")
+
+    result = walk(tree, "")
+    return {} if result is missing else result
+
+
+def tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: torch.Tensor) -> Any:
+    """Build the user-facing object from a flat uint8 CPU tensor holding its bytes."""
+    if kind == "torch":
+        target = torch_dtype(dtype)
+        if target == torch.uint8:
+            return buffer.reshape(shape)
+        return buffer.view(target).reshape(shape)
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError as e:
+        raise FormatError(f"unknown numpy dtype {dtype!r}") from e
+    if np_dtype.hasobject:
+        raise FormatError(f"refusing numpy dtype {dtype!r} (objects)")
+    array = buffer.numpy().view(np_dtype).reshape(shape)
+    return array[()] if kind == "numpy_scalar" else array

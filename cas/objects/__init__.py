@@ -1,0 +1,1 @@
+"""Content-addressed objects: the one door where a chunk is hashed, encoded and written, and read back verified."""

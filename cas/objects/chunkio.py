@@ -1,0 +1,155 @@
+"""Parallel chunk I/O: cut, hash and store buffers as chunks; fetch, verify and reassemble them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from cas.codecs import Codec, EncodeHints
+from cas.digest import Digest
+from cas.model.manifest import ChunkRef
+from cas.objects.chunking import Cut
+from cas.objects.store import ObjectStore, PutResult
+
+Progress = Callable[[int], None]
+"""Called with a number of bytes just processed (for progress bars)."""
+
+
+@dataclass
+class WriteStats:
+    """What a write did: logical bytes in, chunks and stored bytes newly written, chunks reused."""
+
+    logical_bytes: int = 0
+    new_chunks: int = 0
+    new_bytes: int = 0
+    reused_chunks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, result: PutResult) -> None:
+        """Count one stored chunk."""
+        with self._lock:
+            self.logical_bytes += result.size
+            if result.new:
+                self.new_chunks += 1
+                self.new_bytes += result.stored_bytes
+            else:
+                self.reused_chunks += 1
+
+    def as_dict(self) -> dict[str, int]:
+        """Plain numbers for ``--json``."""
+        return {
+            "logical_bytes": self.logical_bytes,
+            "new_chunks": self.new_chunks,
+            "new_bytes": self.new_bytes,
+            "reused_chunks": self.reused_chunks,
+        }
+
+
+class ChunkIO:
+    """Runs chunk puts and gets on a shared thread pool (blake3, zstd and file I/O drop the GIL)."""
+
+    def __init__(self, objects: ObjectStore, workers: int = 8, readers: int | None = None) -> None:
+        self.objects = objects
+        self.workers = workers
+        self._read_slots = threading.BoundedSemaphore(readers or workers)
+        """Verified reads running at once: writes wait on fsync and want every worker, while a
+        read from a local disk is CPU work (copy, hash, decode) that more threads than cores only
+        slow down."""
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The lazily created pool."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="cas-chunk")
+            return self._pool
+
+    def write_cuts(
+        self,
+        data: memoryview,
+        cuts: Sequence[Cut],
+        codec: Codec,
+        hints: Sequence[EncodeHints] | EncodeHints,
+        stats: WriteStats,
+        progress: Progress | None = None,
+    ) -> list[Future[ChunkRef]]:
+        """Submit one put per cut of ``data``; the futures resolve to ChunkRefs in cut order.
+
+        The ChunkRefs carry no base chain, so every chunk is left standalone: a delta codec is
+        refused, and an existing chunk stored as a delta is re-encoded with ``codec`` (same
+        identity) so a manifest listing only these refs is complete for GC. Writers that record
+        base chains use ``cas.objects.encoding`` instead.
+        """
+        if codec.needs_base:
+            raise ValueError(f"write_cuts cannot record delta bases; {codec.name} needs one")
+
+        def put_one(cut: Cut, hint: EncodeHints) -> ChunkRef:
+            view = data[cut.offset : cut.offset + cut.size]
+            result = self.objects.put_chunk(view, codec, hint)
+            if result.base is not None:
+                result = self.objects.put_chunk(view, codec, hint, result.digest, replace=True)
+            stats.add(result)
+            if progress is not None:
+                progress(cut.size)
+            return ChunkRef(result.digest, result.size)
+
+        per_cut = [hints] * len(cuts) if isinstance(hints, EncodeHints) else list(hints)
+        return [self.pool.submit(put_one, cut, hint) for cut, hint in zip(cuts, per_cut, strict=False)]
+
+    def read_into(
+        self, chunks: Sequence[ChunkRef], out: memoryview, progress: Progress | None = None
+    ) -> list[Future[None]]:
+        """Submit verified reads of ``chunks`` laid end to end into ``out``."""
+
+        def get_one(ref: ChunkRef, offset: int) -> None:
+            with self._read_slots:
+                self.objects.read_chunk_into(ref.digest, out[offset : offset + ref.size])
+            if progress is not None:
+                progress(ref.size)
+
+        futures = []
+        offset = 0
+        for ref in chunks:
+            futures.append(self.pool.submit(get_one, ref, offset))
+            offset += ref.size
+        return futures
+
+    def iter_chunks(
+        self, chunks: Iterable[ChunkRef], prefetch: int = 16
+    ) -> Iterator[bytes | memoryview]:
+        """Yield verified chunk bytes in order, fetching up to ``prefetch`` ahead."""
+        def get_one(digest: Digest) -> bytes | memoryview:
+            with self._read_slots:
+                return self.objects.get_chunk(digest)
+
+        pending: list[Future[bytes | memoryview]] = []
+        for ref in chunks:
+            pending.append(self.pool.submit(get_one, ref.digest))
+            if len(pending) >= prefetch:
+                yield pending.pop(0).result()
+        for future in pending:
+            yield future.result()
+
+    def close(self) -> None:
+        """Stop the pool."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def wait_all(futures: Iterable[Future[Any]]) -> None:
+    """Wait for every future; re-raise the first failure after all have settled."""
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error

@@ -1,0 +1,357 @@
+"""Refs: mutable names pointing at manifest digests, changed only by compare-and-swap, with history.
+
+A ref's newest ``INLINE_HISTORY`` events live inside its record, so one compare-and-swap moves the
+target and logs the move. Older events are sealed, ``SEAL_EVENTS`` at a time, into immutable
+history segments (small manifests, docs/format.md) that the record lists by digest. Every update
+rewrites the record, so without sealing a ``latest`` ref moved at each save would cost each save
+time and bytes in proportion to the run's length: at 10,000 inline events an update took 38 ms of
+CPU and rewrote 1.2 MB. With sealing it stays under a millisecond.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import quote, unquote
+
+import msgpack
+
+from cas.blobstore.base import BlobStore, Version
+from cas.codecs import codec_by_name
+from cas.digest import Digest, parse_digest
+from cas.errors import CASError, FormatError, NotFound, PreconditionFailed, RefConflict
+from cas.model.manifest import Manifest, decode_manifest, encode_manifest
+from cas.names import RefName, parse_ref_name, ref_matches
+from cas.objects.store import ObjectStore
+
+REF_FORMAT = "cas-ref"
+REF_VERSION = 1
+"""Records without sealed history are written as version 1, which older readers understand."""
+REF_VERSION_SEALED = 2
+"""Records that list sealed history segments: an older reader refuses them rather than lose history."""
+REFS_PREFIX = "refs/"
+MAX_HISTORY = 10_000
+"""History is append-only; past this many events, whole sealed segments are dropped oldest first
+(at sealing time, so a ref keeps fewer than ``MAX_HISTORY + 2 * SEAL_EVENTS``)."""
+INLINE_HISTORY = 128
+"""Events kept inside the record; when there are more, the oldest are sealed."""
+SEAL_EVENTS = 64
+"""Events per sealed segment; after sealing, ``INLINE_HISTORY - SEAL_EVENTS`` or more stay inline."""
+REFLOG_MARK = "cas_reflog"
+"""The meta key that makes a manifest a sealed history segment."""
+MAX_REF_BLOB = 16 << 20
+DECODED_REFS = 256
+"""How many refs' decoded records a RefStore keeps for reuse."""
+
+
+@dataclass(frozen=True)
+class RefEvent:
+    """One change of a ref: what it pointed at afterwards, when, and why."""
+
+    target: Digest
+    time: float
+    op: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class SealedHistory:
+    """A segment of a ref's older history, stored as an immutable manifest."""
+
+    digest: Digest
+    count: int
+    until: float
+    """The latest time one of its events was superseded: GC's reflog window reads a segment only
+    if this falls inside the window."""
+
+
+@dataclass(frozen=True)
+class RefRecord:
+    """A ref as stored: its current target, its recent history (oldest first, current last) and
+    the sealed segments holding older history (oldest first). ``RefStore.events`` walks all of it.
+    """
+
+    name: RefName
+    target: Digest
+    history: tuple[RefEvent, ...]
+    version: Version | None = None
+    """The blob version this record was read at; compare-and-swap uses it."""
+    sealed: tuple[SealedHistory, ...] = ()
+
+    @property
+    def depth(self) -> int:
+        """How many events the whole history holds."""
+        return len(self.history) + sum(s.count for s in self.sealed)
+
+
+def ref_key(name: RefName) -> str:
+    """The blob key of a ref: one flat directory, '/' escaped, so no name shadows another."""
+    return REFS_PREFIX + quote(name, safe="")
+
+
+def _name_from_key(key: str) -> RefName | None:
+    try:
+        return parse_ref_name(unquote(key[len(REFS_PREFIX) :]))
+    except Exception:
+        return None
+
+
+def encode_ref(record: RefRecord) -> bytes:
+    """The msgpack bytes of a ref record."""
+    doc: dict[str, Any] = {
+        "format": REF_FORMAT,
+        "version": REF_VERSION_SEALED if record.sealed else REF_VERSION,
+        "name": record.name,
+        "target": record.target,
+        "history": _pack_events(record.history),
+    }
+    if record.sealed:
+        doc["sealed"] = [[s.digest, s.count, s.until] for s in record.sealed]
+    packed: bytes = msgpack.packb(doc)
+    return packed
+
+
+def _pack_events(events: tuple[RefEvent, ...]) -> list[list[Any]]:
+    return [[e.target, e.time, e.op, e.message] for e in events]
+
+
+def _unpack_events(raw: Any) -> tuple[RefEvent, ...]:
+    return tuple(RefEvent(parse_digest(t), float(ts), str(op), str(msg)) for t, ts, op, msg in raw)
+
+
+def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord:
+    """Parse a ref blob, refusing unknown formats and versions."""
+    if len(data) > MAX_REF_BLOB:
+        raise FormatError(f"ref {name!r} is larger than {MAX_REF_BLOB} bytes")
+    try:
+        doc: Any = msgpack.unpackb(data, raw=False)
+        if not isinstance(doc, dict) or doc.get("format") != REF_FORMAT:
+            raise FormatError(f"ref {name!r} is not a cas ref")
+        if doc.get("version") not in (REF_VERSION, REF_VERSION_SEALED):
+            raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
+        history = _unpack_events(doc["history"])
+        sealed = tuple(
+            SealedHistory(parse_digest(d), _count(n), float(until))
+            for d, n, until in doc.get("sealed", ())
+        )
+        if not history:
+            raise FormatError(f"ref {name!r} has no history")
+        return RefRecord(name, parse_digest(doc["target"]), history, version, sealed)
+    except FormatError:
+        raise
+    except Exception as e:
+        raise FormatError(f"ref {name!r} is corrupt: {e}") from e
+
+
+def _ended_since(
+    events: tuple[RefEvent, ...], newer_time: float, since: float, back: int
+) -> Iterator[tuple[int, RefEvent]]:
+    """``(steps back, event)`` for the events that ended at or after ``since``: each ended when
+    the next began, the last when the next newer event (``newer_time``) did. ``back``: how many
+    events are newer than all of these."""
+    for i, event in enumerate(events):
+        ended = events[i + 1].time if i + 1 < len(events) else newer_time
+        if ended >= since:
+            yield back + len(events) - 1 - i, event
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FormatError(f"bad sealed segment size {value!r}")
+    return value
+
+
+class RefStore:
+    """Reads and compare-and-swaps refs on a BlobStore."""
+
+    def __init__(self, blobs: BlobStore, clock: Callable[[], float] = time.time) -> None:
+        self.blobs = blobs
+        self.clock = clock
+        self.objects = ObjectStore(blobs)
+        self._decoded: dict[RefName, RefRecord] = {}
+        """The last record read or written per ref, reused while the blob's version is the same:
+        decoding a record with a long inline history costs more than reading it."""
+
+    def get(self, name: str) -> RefRecord:
+        """The current record of a ref; NotFound if there is none."""
+        ref = parse_ref_name(name)
+        try:
+            data, version = self.blobs.get_versioned(ref_key(ref))
+        except NotFound:
+            self._decoded.pop(ref, None)
+            raise NotFound(f"no ref named {ref!r}") from None
+        known = self._decoded.get(ref)
+        if known is not None and known.version == version:
+            return known
+        return self._remember(decode_ref(ref, data, version))
+
+    def _remember(self, record: RefRecord) -> RefRecord:
+        if len(self._decoded) >= DECODED_REFS and record.name not in self._decoded:
+            self._decoded.clear()  # a listing of every ref must not grow this without bound
+        self._decoded[record.name] = record
+        return record
+
+    def try_get(self, name: str) -> RefRecord | None:
+        """The record, or None when the ref does not exist."""
+        try:
+            return self.get(name)
+        except NotFound:
+            return None
+
+    def names(self, selector: str = "") -> Iterator[RefName]:
+        """Ref names selected by a prefix, exact name or glob, sorted."""
+        literal = selector.split("*")[0].split("?")[0].split("[")[0]
+        key_prefix = REFS_PREFIX + quote(literal, safe="")
+        found = []
+        for key in self.blobs.list(key_prefix):
+            name = _name_from_key(key)
+            if name is not None and ref_matches(name, selector):
+                found.append(name)
+        yield from sorted(found)
+
+    def set(
+        self,
+        name: str,
+        target: Digest,
+        *,
+        expected: Digest | object | None = ...,
+        op: str = "set",
+        message: str = "",
+    ) -> RefRecord:
+        """Point ``name`` at ``target`` by compare-and-swap.
+
+        ``expected`` is the target the caller believes is current (``None``: the ref must not
+        exist). Left out, the write still cannot lose a concurrent update: it compares against
+        the version it just read and raises RefConflict if another writer got in between.
+        """
+        ref = parse_ref_name(name)
+        current = self.try_get(ref)
+        if expected is not ...:
+            found = current.target if current else None
+            if found != expected:
+                raise RefConflict(
+                    f"ref {ref!r} moved: expected {_short(expected)}, found {_short(found)}"
+                    f"; the new manifest {target} is stored, retry or point a ref at it"
+                )
+        event = RefEvent(target, self.clock(), op, message)
+        if current is None:
+            record = RefRecord(ref, target, (event,))
+        else:
+            record = replace(current, target=target, history=(*current.history, event))
+            if len(record.history) > INLINE_HISTORY:
+                record = self._seal(record)
+        try:
+            version = self.blobs.put_conditional(
+                ref_key(ref), encode_ref(record), current.version if current else None
+            )
+        except PreconditionFailed as e:
+            raise RefConflict(
+                f"ref {ref!r} was changed by another writer; the new manifest {target} is "
+                "stored, retry or point a ref at it"
+            ) from e
+        return self._remember(replace(record, version=version))
+
+    def _seal(self, record: RefRecord) -> RefRecord:
+        """Move the oldest inline events into sealed segments, made durable before the record
+        that lists them is written; drop the oldest segments beyond ``MAX_HISTORY``.
+
+        A segment whose record update then loses its compare-and-swap is an unreferenced
+        manifest, which GC removes after the grace period like any other.
+        """
+        history, sealed = record.history, list(record.sealed)
+        while len(history) > INLINE_HISTORY:
+            events, history = history[:SEAL_EVENTS], history[SEAL_EVENTS:]
+            superseded = [e.time for e in (*events[1:], history[0])]
+            segment = Manifest(
+                kind="state",
+                tensors=(),
+                meta={REFLOG_MARK: 1, "ref": record.name, "events": _pack_events(events)},
+                created_at=events[-1].time,
+            )
+            digest = self.objects.put_manifest(encode_manifest(segment), codec_by_name("zstd"))
+            sealed.append(SealedHistory(digest, len(events), max(superseded)))
+        while sealed and len(history) + sum(s.count for s in sealed[1:]) >= MAX_HISTORY:
+            del sealed[0]
+        self.blobs.sync()
+        return replace(record, history=history, sealed=tuple(sealed))
+
+    def segment(self, record: RefRecord, sealed: SealedHistory) -> tuple[RefEvent, ...]:
+        """The events of one of ``record``'s sealed segments, oldest first, verified."""
+        where = f"ref {record.name!r}: history segment {sealed.digest}"
+        try:
+            meta = decode_manifest(self.objects.get_manifest(sealed.digest)).meta
+        except CASError as e:
+            raise type(e)(f"{where}: {e}") from e
+        if meta.get(REFLOG_MARK) != 1 or meta.get("ref") != record.name:
+            raise FormatError(f"{where} is not a history segment of this ref")
+        try:
+            events = _unpack_events(meta["events"])
+        except Exception as e:
+            raise FormatError(f"{where} is corrupt: {e}") from e
+        if len(events) != sealed.count:
+            raise FormatError(f"{where} holds {len(events)} events, the record says {sealed.count}")
+        return events
+
+    def events(self, record: RefRecord) -> Iterator[RefEvent]:
+        """The ref's whole history, newest first; sealed segments are read as the walk gets there."""
+        yield from reversed(record.history)
+        for sealed in reversed(record.sealed):
+            yield from reversed(self.segment(record, sealed))
+
+    def event(self, record: RefRecord, steps: int) -> RefEvent | None:
+        """The event ``steps`` back from the current one (0: current), reading one segment at most;
+        None beyond the oldest kept."""
+        if steps < len(record.history):
+            return record.history[-1 - steps]
+        steps -= len(record.history)
+        for sealed in reversed(record.sealed):
+            if steps < sealed.count:
+                return self.segment(record, sealed)[-1 - steps]
+            steps -= sealed.count
+        return None
+
+    def superseded_since(
+        self, record: RefRecord, now: float, since: float
+    ) -> Iterator[tuple[int, RefEvent]]:
+        """``(steps back, event)`` for each event the ref moved on from at or after ``since``, the
+        current one counting as moved on from ``now``; reads only the segments holding such events.
+        """
+        yield from _ended_since(record.history, now, since, 0)
+        back = len(record.history)
+        newer_time = record.history[0].time
+        for sealed in reversed(record.sealed):
+            if sealed.until >= since:
+                events = self.segment(record, sealed)
+                yield from _ended_since(events, newer_time, since, back)
+                newer_time = events[0].time
+            else:
+                # Unread: its first event began before it was superseded, before ``since``,
+                # so the older segment's last event also ended before ``since``.
+                newer_time = -math.inf
+            back += sealed.count
+
+    def delete(
+        self, name: str, *, expected: Digest | None = None, changed_at: float | None = None
+    ) -> RefRecord:
+        """Remove a ref by compare-and-swap; return the record that was removed.
+
+        ``changed_at``: also refuse if the ref was set since that time, even to the same target.
+        """
+        current = self.get(name)
+        if expected is not None and current.target != expected:
+            raise RefConflict(f"ref {name!r} moved: expected {_short(expected)}")
+        if changed_at is not None and current.history and current.history[-1].time != changed_at:
+            raise RefConflict(f"ref {name!r} was set again since {changed_at}")
+        assert current.version is not None
+        try:
+            self.blobs.delete_conditional(ref_key(current.name), current.version)
+        except PreconditionFailed as e:
+            raise RefConflict(f"ref {name!r} was changed by another writer; not deleted") from e
+        return current
+
+
+def _short(target: object) -> str:
+    return str(target)[:12] if target else "nothing"

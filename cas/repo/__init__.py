@@ -1,0 +1,1 @@
+"""The Repository facade, and opening a store by URL."""

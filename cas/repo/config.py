@@ -1,0 +1,86 @@
+"""StoreConfig: the store's self-description (format, version, chunking and codec choices)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from cas.blobstore.base import BlobStore
+from cas.errors import FormatError, NotFound
+from cas.objects.chunking import DEFAULT_CDC_AVG, DEFAULT_CHUNK_SIZE
+
+CONFIG_KEY = "config"
+STORE_FORMAT = "cas-store"
+STORE_VERSION = 1
+MAX_CHUNK_SIZE = 64 << 20
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Settings fixed when a store is created (``chunk_size``) or changeable later (codec...).
+
+    ``extra`` holds sections owned by other layers (retention policies, GC settings) so that
+    adding one never needs a new store version.
+    """
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    cdc_avg_size: int = DEFAULT_CDC_AVG
+    codec: str = "raw"
+    compression_level: int = 3
+    inline_max: int = 4096
+    created_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> StoreConfig:
+        """Check bounds; a store with absurd settings is refused rather than trusted."""
+        if not 4096 <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise FormatError(f"chunk_size {self.chunk_size} outside [4096, {MAX_CHUNK_SIZE}]")
+        if not 256 <= self.cdc_avg_size <= MAX_CHUNK_SIZE // 4:
+            raise FormatError(f"cdc_avg_size {self.cdc_avg_size} out of range")
+        if not 0 <= self.inline_max <= 65536:
+            raise FormatError(f"inline_max {self.inline_max} out of range")
+        return self
+
+    def to_json(self) -> bytes:
+        """The config blob: JSON so a person (or another language) can read it."""
+        doc = {"format": STORE_FORMAT, "version": STORE_VERSION, **asdict(self)}
+        return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StoreConfig:
+        """Parse a config blob; another format or an unknown version is a clear FormatError."""
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise FormatError(f"store config is not valid JSON: {e}") from e
+        if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
+            raise FormatError("not a cas store (config has no 'format': 'cas-store')")
+        if doc.get("version") != STORE_VERSION:
+            raise FormatError(
+                f"store format version {doc.get('version')!r} is not supported by this cas "
+                f"(it reads version {STORE_VERSION}); upgrade cas"
+            )
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in doc.items() if k in known}).validate()
+        except TypeError as e:
+            raise FormatError(f"store config is malformed: {e}") from e
+
+    def with_extra(self, section: str, value: Any) -> StoreConfig:
+        """A copy with one ``extra`` section replaced."""
+        return replace(self, extra={**self.extra, section: value})
+
+
+def read_config(blobs: BlobStore) -> StoreConfig | None:
+    """The store's config, or None for an empty location."""
+    try:
+        return StoreConfig.from_json(blobs.get(CONFIG_KEY))
+    except NotFound:
+        return None
+
+
+def write_config(blobs: BlobStore, config: StoreConfig) -> None:
+    """Write the config blob durably."""
+    blobs.put(CONFIG_KEY, config.validate().to_json())
+    blobs.sync()

@@ -1,0 +1,1 @@
+"""Retention and garbage collection: policies, forget plans, GC, space accounting and verification."""

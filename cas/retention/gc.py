@@ -1,0 +1,455 @@
+"""Garbage collection: mark from refs and recent ref history, sweep old unreachable objects.
+
+``plan_gc`` computes a ``GCPlan`` and deletes nothing; ``GCPlan.execute()`` deletes what it lists
+(``cas gc --dry-run`` only prints the plan). Planning, under the store's maintenance lock:
+
+1. Read the writer leases first. The cutoff is ``now - grace``, lowered to
+   ``oldest live lease start - margin`` while a writer is in flight (see ``cas.refs.leases``).
+2. Roots: every ref's current target, every ref-history entry the ref moved on from less than
+   ``reflog_window`` ago, and every manifest modified after the cutoff (a writer may be about to
+   name it, or lost a ref race and was told to retry). Their chunks, delta bases included
+   (``Manifest.chunk_digests``), are marked. Chunk payloads are never parsed (invariant 4).
+3. List chunks and manifests with their mtimes: unmarked ones older than the cutoff are candidates.
+
+If any ref or any root manifest cannot be read, planning raises (saying which and why) and
+nothing is deleted. Execution deletes manifests first, then chunks, so a manifest that is still
+stored never names a chunk this run deleted; reachable objects are never touched, so killing GC
+at any point leaves every kept ref loadable.
+
+A writer may reuse (touch) a candidate after it was listed; ``cas.retention.sweep`` re-checks every object
+at the moment it deletes it (exactly on local stores, within one round trip elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+from cas.digest import Digest
+from cas.errors import CASError, FormatError, NotFound, PreconditionFailed
+from cas.model.manifest import decode_manifest
+from cas.names import parse_ref_name
+from cas.objects.store import chunk_key, manifest_key
+from cas.refs.leases import LeaseRecord, maintenance, read_leases
+from cas.refs.store import REFS_PREFIX, RefRecord, decode_ref
+from cas.retention.space import CHUNK_KEY_RE, MANIFEST_KEY_RE
+from cas.retention.sweep import Sweeper, sweeper_for
+from cas.units import format_duration, format_size, parse_duration
+
+if TYPE_CHECKING:
+    from cas.repo.repository import Repository
+
+GC_SECTION = "gc"
+CLOCK_PROBE_KEY = "state/gc-clock"
+"""The ``StoreConfig.extra`` section holding ``GCSettings``."""
+
+
+@dataclass(frozen=True)
+class GCSettings:
+    """How old an unreachable object must be before GC deletes it, and how much history counts.
+
+    ``grace``: unreachable objects modified less than this long ago are kept (writers that do not
+    take leases, clock skew, coarse mtimes). ``reflog_window``: ref-history entries the ref moved
+    on from less than this long ago keep their manifests alive (undo, and readers still loading a
+    target that just moved). It is deliberately short: a ``latest`` ref moved at every save would otherwise keep every
+    checkpoint of the window alive whatever the retention policy says.
+    """
+
+    grace: float = 3600.0
+    reflog_window: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.grace < 0 or self.reflog_window < 0:
+            raise ValueError("grace and reflog_window must not be negative")
+
+    @classmethod
+    def from_config(cls, extra: dict[str, Any]) -> GCSettings:
+        """Settings from ``StoreConfig.extra["gc"]``; durations may be strings like ``"2h"``."""
+        section = extra.get(GC_SECTION) or {}
+        if not isinstance(section, dict):
+            raise FormatError("store config: 'gc' must be a map")
+        try:
+            return cls(
+                **{
+                    k: parse_duration(section[k])
+                    for k in ("grace", "reflog_window")
+                    if k in section
+                }
+            )
+        except ValueError as e:
+            raise FormatError(f"store config: bad 'gc' section: {e}") from e
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``extra["gc"]`` section."""
+        return {"grace": self.grace, "reflog_window": self.reflog_window}
+
+
+@dataclass(frozen=True)
+class GCPlan:
+    """What a GC run will delete and why the rest stays. ``execute()`` carries it out."""
+
+    now: float
+    cutoff: float
+    """Unreachable objects modified at or after this time are spared."""
+    settings: GCSettings
+    refs: int
+    root_manifests: int
+    history_manifests: int
+    """Manifests kept only by ref-history entries inside the reflog window."""
+    young_manifests: int
+    """Unreachable manifests kept because they were modified after the cutoff."""
+    live_leases: tuple[LeaseRecord, ...]
+    reachable_chunks: int
+    missing_chunks: int
+    """Reachable chunks that are not in the store (``cas verify`` names the refs)."""
+    stored_chunks: int
+    stored_chunk_bytes: int
+    spared_chunks: int
+    spared_chunk_bytes: int
+    chunks: tuple[str, ...]
+    chunk_bytes: int
+    manifests: tuple[str, ...]
+    manifest_bytes: int
+    tmp_files: tuple[str, ...]
+    tmp_bytes: int
+    expired_leases: tuple[LeaseRecord, ...]
+    repo: Repository = field(repr=False, compare=False)
+
+    @property
+    def freed_bytes(self) -> int:
+        """Bytes the plan deletes (chunks, manifests and stale temp files)."""
+        return self.chunk_bytes + self.manifest_bytes + self.tmp_bytes
+
+    def to_dict(self, *, keys: bool = False) -> dict[str, Any]:
+        """Plain data for ``--json``; ``keys=True`` adds every digest and file to delete."""
+        doc: dict[str, Any] = {
+            "now": self.now,
+            "cutoff": self.cutoff,
+            "grace": self.settings.grace,
+            "reflog_window": self.settings.reflog_window,
+            "refs": self.refs,
+            "root_manifests": self.root_manifests,
+            "history_manifests": self.history_manifests,
+            "young_manifests": self.young_manifests,
+            "live_leases": [_lease_dict(lease) for lease in self.live_leases],
+            "stored_chunks": self.stored_chunks,
+            "stored_chunk_bytes": self.stored_chunk_bytes,
+            "reachable_chunks": self.reachable_chunks,
+            "missing_chunks": self.missing_chunks,
+            "spared_chunks": self.spared_chunks,
+            "spared_chunk_bytes": self.spared_chunk_bytes,
+            "delete_chunks": len(self.chunks),
+            "delete_chunk_bytes": self.chunk_bytes,
+            "delete_manifests": len(self.manifests),
+            "delete_manifest_bytes": self.manifest_bytes,
+            "delete_tmp_files": len(self.tmp_files),
+            "delete_tmp_bytes": self.tmp_bytes,
+            "reap_leases": len(self.expired_leases),
+            "freed_bytes": self.freed_bytes,
+        }
+        if keys:
+            doc.update(
+                chunks=list(self.chunks), manifests=list(self.manifests), tmp=list(self.tmp_files)
+            )
+        return doc
+
+    def execute(self, *, lock: bool = True) -> GCResult:
+        """Delete what the plan lists: manifests, then chunks, then temp files and dead leases.
+
+        Each object is checked once more right before it goes: one modified after the plan's
+        cutoff (a writer reused it meanwhile) is spared.
+        """
+        started = time.monotonic()
+        with maintenance(self.repo.blobs, self.repo.clock, "gc", lock) as held:
+            sweeper = sweeper_for(self.repo.blobs)
+            restored = sweeper.recover()
+            tally = _Tally()
+            for keys in (
+                (manifest_key(Digest(d)) for d in self.manifests),
+                (chunk_key(Digest(d)) for d in self.chunks),
+            ):
+                for key, outcome, size in sweeper.remove_many(keys, self.cutoff):
+                    tally.add(key, outcome, size)
+                    if held is not None and tally.seen % 20000 == 0:
+                        held.refresh()
+            tmp_files, tmp_bytes = sweeper.remove_tmp(self.tmp_files, self.cutoff)
+            reaped = 0
+            for lease in self.expired_leases:
+                if lease.version is None:
+                    continue
+                with contextlib.suppress(PreconditionFailed, NotFound):
+                    self.repo.blobs.delete_conditional(lease.key, lease.version)
+                    reaped += 1
+        return GCResult(
+            deleted_chunks=tally.counts["chunks/"],
+            deleted_chunk_bytes=tally.bytes["chunks/"],
+            deleted_manifests=tally.counts["manifests/"],
+            deleted_manifest_bytes=tally.bytes["manifests/"],
+            spared=tally.spared,
+            already_gone=tally.gone,
+            deleted_tmp_files=tmp_files,
+            deleted_tmp_bytes=tmp_bytes,
+            reaped_leases=reaped,
+            restored_from_trash=restored,
+            seconds=time.monotonic() - started,
+        )
+
+    def summary(self) -> list[str]:
+        """Human-readable lines describing the plan."""
+        human_bytes = format_size
+        window = format_duration(self.settings.reflog_window)
+        lines = [
+            f"gc plan: grace {format_duration(self.settings.grace)}, reflog window {window}, "
+            f"cutoff {_when(self.cutoff)}",
+            f"  roots: {self.refs} refs -> {self.root_manifests} manifests "
+            f"({self.history_manifests} only by history within {window}, "
+            f"{self.young_manifests} unreferenced but recent)",
+            f"  chunks: {self.stored_chunks} stored ({human_bytes(self.stored_chunk_bytes)}), "
+            f"{self.reachable_chunks} reachable, {self.spared_chunks} unreachable but recent "
+            f"({human_bytes(self.spared_chunk_bytes)}) kept",
+            f"  delete: {len(self.chunks)} chunks ({human_bytes(self.chunk_bytes)}), "
+            f"{len(self.manifests)} manifests ({human_bytes(self.manifest_bytes)}), "
+            f"{len(self.tmp_files)} stale temp files ({human_bytes(self.tmp_bytes)}), "
+            f"{len(self.expired_leases)} expired leases",
+        ]
+        for lease in self.live_leases:
+            lines.append(
+                f"  live writer lease {lease.writer} ({lease.purpose}) since {_when(lease.started)}: "
+                "what it writes is kept"
+            )
+        if self.missing_chunks:
+            lines.append(
+                f"  WARNING: {self.missing_chunks} reachable chunks are missing; run `cas verify`"
+            )
+        return lines
+
+
+@dataclass(frozen=True)
+class GCResult:
+    """What ``GCPlan.execute`` did."""
+
+    deleted_chunks: int
+    deleted_chunk_bytes: int
+    deleted_manifests: int
+    deleted_manifest_bytes: int
+    spared: int
+    """Candidates a writer reused between planning and deletion: kept."""
+    already_gone: int
+    deleted_tmp_files: int
+    deleted_tmp_bytes: int
+    reaped_leases: int
+    restored_from_trash: int
+    """Objects a killed earlier run left in ``tmp/gc-trash``, put back."""
+    seconds: float
+
+    @property
+    def freed_bytes(self) -> int:
+        """Bytes deleted."""
+        return self.deleted_chunk_bytes + self.deleted_manifest_bytes + self.deleted_tmp_bytes
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.counts = {"chunks/": 0, "manifests/": 0}
+        self.bytes = {"chunks/": 0, "manifests/": 0}
+        self.spared = self.gone = self.seen = 0
+
+    def add(self, key: str, outcome: str, size: int) -> None:
+        self.seen += 1
+        if outcome == "deleted":
+            kind = "chunks/" if key.startswith("chunks/") else "manifests/"
+            self.counts[kind] += 1
+            self.bytes[kind] += size
+        elif outcome == "spared":
+            self.spared += 1
+        else:
+            self.gone += 1
+
+
+def plan_gc(
+    repo: Repository,
+    settings: GCSettings | None = None,
+    *,
+    clock: Callable[[], float] | None = None,
+    lock: bool = True,
+) -> GCPlan:
+    """Mark and list; return what a sweep would delete. Deletes nothing; raises if a ref or root
+    manifest cannot be read. ``clock`` overrides ``store_time`` (it must agree with the mtimes).
+    """
+    settings = settings or GCSettings.from_config(repo.config.extra)
+    margin = repo.leases.settings.margin
+    with maintenance(repo.blobs, repo.clock, "gc", lock):
+        sweeper = sweeper_for(repo.blobs)
+        sweeper.recover()
+        now = clock() if clock is not None else store_time(repo)
+        leases = read_leases(repo.blobs, repo.leases.settings.duration)
+        live = tuple(lease for lease in leases if lease.live(now, margin))
+        expired = tuple(lease for lease in leases if not lease.live(now, margin))
+        cutoff = now - settings.grace
+        if live:
+            cutoff = min(cutoff, min(lease.started for lease in live) - margin)
+        records = _read_refs(repo)
+        roots: dict[str, str] = {}
+        for record in records:
+            roots.setdefault(record.target, f"ref {record.name!r}")
+        current = set(roots)
+        segments: set[str] = set()
+        for record in records:
+            # An entry's age counts from when the ref moved on from it (git's reflog does the
+            # same): a target overwritten a minute ago is kept however long it was current.
+            try:
+                for back, event in repo.refs_store.superseded_since(
+                    record, now, now - settings.reflog_window
+                ):
+                    roots.setdefault(event.target, f"ref {record.name}~{back}")
+            except CASError as e:
+                raise _refused(e, f"the history of ref {record.name!r} cannot be read") from e
+            for sealed in record.sealed:
+                segments.add(sealed.digest)
+                roots.setdefault(sealed.digest, f"ref {record.name!r} (sealed history)")
+        manifest_infos = {
+            digest: (size, mtime)
+            for digest, size, mtime in sweeper.scan("manifests/", MANIFEST_KEY_RE)
+        }
+        young = {
+            d for d, (_, mtime) in manifest_infos.items() if mtime >= cutoff and d not in roots
+        }
+        for digest in young:
+            roots[digest] = "a recently written manifest"
+        marked, found = _mark(repo, roots, current)
+        deleted_manifests = sorted(
+            d for d, (_, mtime) in manifest_infos.items() if d not in roots and mtime < cutoff
+        )
+        chunk_scan = _scan_chunks(sweeper, marked, cutoff)
+        tmp = sweeper.stale_tmp(cutoff)
+    return GCPlan(
+        now=now,
+        cutoff=cutoff,
+        settings=settings,
+        refs=len(records),
+        root_manifests=found,
+        history_manifests=len(
+            {d for d in roots if d not in current and d not in young and d not in segments}
+        ),
+        young_manifests=len(young),
+        live_leases=live,
+        reachable_chunks=len(marked),
+        missing_chunks=len(marked) - chunk_scan.reachable_found,
+        stored_chunks=chunk_scan.stored,
+        stored_chunk_bytes=chunk_scan.stored_bytes,
+        spared_chunks=chunk_scan.spared,
+        spared_chunk_bytes=chunk_scan.spared_bytes,
+        chunks=tuple(chunk_scan.candidates),
+        chunk_bytes=chunk_scan.candidate_bytes,
+        manifests=tuple(deleted_manifests),
+        manifest_bytes=sum(manifest_infos[d][0] for d in deleted_manifests),
+        tmp_files=tuple(name for name, _ in tmp),
+        tmp_bytes=sum(size for _, size in tmp),
+        expired_leases=expired,
+        repo=repo,
+    )
+
+
+def store_time(repo: Repository) -> float:
+    """The current time on the storage's own clock: the mtime of a blob written just now.
+
+    Object mtimes come from that clock (the kernel's coarse clock for local files, the server's
+    for S3), so a cutoff taken from it is exactly comparable: anything a writer touches after
+    this probe has an mtime at or after it, whatever the host clocks say. Falls back to the
+    repository's clock where the store cannot be written.
+    """
+    try:
+        repo.blobs.put(CLOCK_PROBE_KEY, b"gc")
+        return repo.blobs.stat(CLOCK_PROBE_KEY).mtime
+    except CASError:
+        return repo.clock()
+
+
+def _refused(error: CASError, context: str) -> CASError:
+    return type(error)(f"gc refused, nothing deleted: {context}: {error}")
+
+
+def _read_refs(repo: Repository) -> list[RefRecord]:
+    """Every ref, strictly: a ref GC cannot read could be protecting anything."""
+    keys = list(repo.blobs.list(REFS_PREFIX))
+
+    def read(key: str) -> RefRecord | None:
+        try:
+            name = parse_ref_name(unquote(key[len(REFS_PREFIX) :]))
+            data, version = repo.blobs.get_versioned(key)
+            return decode_ref(name, data, version)
+        except NotFound:
+            return None  # removed since listing: it protects nothing any more
+        except CASError as e:
+            raise _refused(e, f"ref blob {key!r} cannot be read") from e
+
+    return [r for r in repo.io.pool.map(read, keys) if r is not None]
+
+
+def _mark(repo: Repository, roots: dict[str, str], current: set[str]) -> tuple[set[str], int]:
+    """Chunks named by the root manifests; a missing current target or a corrupt root refuses."""
+
+    def read(digest: str) -> frozenset[str] | None:
+        try:
+            manifest = decode_manifest(repo.objects.get_manifest(Digest(digest)))
+        except NotFound as e:
+            if digest in current:
+                raise _refused(e, f"{roots[digest]} names a missing manifest") from e
+            return None  # history or a recent unreferenced manifest that is gone: nothing to keep
+        except CASError as e:
+            raise _refused(e, f"{roots[digest]}: manifest {digest[:16]} cannot be read") from e
+        return frozenset(manifest.chunk_digests())
+
+    marked: set[str] = set()
+    found = 0
+    for chunks in repo.io.pool.map(read, list(roots)):
+        if chunks is not None:
+            found += 1
+            marked |= chunks
+    return marked, found
+
+
+@dataclass
+class _ChunkScan:
+    stored: int = 0
+    stored_bytes: int = 0
+    reachable_found: int = 0
+    spared: int = 0
+    spared_bytes: int = 0
+    candidates: list[str] = field(default_factory=list)
+    candidate_bytes: int = 0
+
+
+def _scan_chunks(sweeper: Sweeper, marked: set[str], cutoff: float) -> _ChunkScan:
+    scan = _ChunkScan()
+    for digest, size, mtime in sweeper.scan("chunks/", CHUNK_KEY_RE):
+        scan.stored += 1
+        scan.stored_bytes += size
+        if digest in marked:
+            scan.reachable_found += 1
+        elif mtime >= cutoff:
+            scan.spared += 1
+            scan.spared_bytes += size
+        else:
+            scan.candidates.append(digest)
+            scan.candidate_bytes += size
+    return scan
+
+
+def _lease_dict(lease: LeaseRecord) -> dict[str, Any]:
+    return {
+        "writer": lease.writer,
+        "host": lease.host,
+        "pid": lease.pid,
+        "started": lease.started,
+        "expires": lease.expires,
+        "purpose": lease.purpose,
+    }
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))

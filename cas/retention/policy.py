@@ -1,0 +1,312 @@
+"""Retention policies: rules over ref names that decide which refs to keep, planned as a ForgetPlan.
+
+A ``RetentionPolicy`` holds ``Rule``s; each governs the refs its ``select`` pattern matches (the
+first matching rule wins; refs no rule selects are always kept) and splits them into groups
+(``group_by``: the parent prefix by default, N leading segments, or a regex's first group).
+Within a group, newest first:
+
+- *protected* (never removed, not even by the size budget): the group's latest, ``protect``
+  patterns, refs naming the same manifest as a ref matching ``protect_targets_of`` (a ``best``
+  pointer, ``gates/**``), the ``keep_best`` refs by a metric read from ``meta["metrics"][name]``
+  or ``meta[name]``, anything younger than ``min_age``/``protect_within``, and the newest ref of
+  each of the last ``protect_days`` calendar days (today, yesterday...).
+- *kept* by ``keep_last``, ``keep_within``, ``keep_hourly/daily/weekly/monthly`` (restic's
+  meaning: the newest ref of each of the last N hours/days/... that have one). A rule with none
+  of these keeps everything the other limits allow.
+- ``max_count`` then removes the oldest unprotected refs until the group has at most that many
+  (protected refs count towards it: Hydra's FIFO-20).
+
+Finally ``max_total_bytes`` (the store-wide budget) removes kept, unprotected refs, lowest
+``budget_priority`` first and oldest first within it, until what the remaining refs reach fits.
+Bytes are stored bytes of chunks and manifests; a ref only frees what no kept ref shares.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from cas.errors import FormatError
+from cas.repo.config import write_config
+from cas.retention.plan import PERIODS, ForgetPlan, ForgetResult, RefDecision, plan_forget, zone_of
+from cas.units import format_duration, format_size, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from cas.repo.repository import Repository
+
+__all__ = [
+    "Best",
+    "ForgetPlan",
+    "ForgetResult",
+    "RefDecision",
+    "RetentionPolicy",
+    "Rule",
+    "plan_forget",
+]
+
+RETENTION_SECTION = "retention"
+"""The ``StoreConfig.extra`` section holding the stored policy."""
+_DURATION_FIELDS = ("keep_within", "protect_within", "min_age")
+
+
+@dataclass(frozen=True)
+class Best:
+    """Keep the ``count`` best refs by ``metric``; ``mode`` is ``min`` (a loss) or ``max``."""
+
+    metric: str
+    mode: str = "min"
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.metric or self.mode not in ("min", "max") or self.count < 1:
+            raise ValueError(f"bad keep-best {self.metric}:{self.mode}:{self.count}")
+
+    @classmethod
+    def parse(cls, text: str) -> Best:
+        """``eval_loss``, ``eval_loss:min``, ``rating:max:2``."""
+        parts = text.split(":")
+        if not 1 <= len(parts) <= 3 or not parts[0]:
+            raise ValueError(f"bad keep-best {text!r}: use METRIC[:min|max[:COUNT]]")
+        return cls(
+            parts[0], parts[1] if len(parts) > 1 else "min", int(parts[2]) if len(parts) > 2 else 1
+        )
+
+    def value(self, meta: dict[str, Any]) -> float | None:
+        """The metric from ``meta["metrics"][metric]``, else ``meta[metric]``; None if absent."""
+        metrics = meta.get("metrics")
+        raw = metrics.get(self.metric) if isinstance(metrics, dict) else None
+        if raw is None:
+            raw = meta.get(self.metric)
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+            return None
+        return float(raw)
+
+    def __str__(self) -> str:
+        return f"{self.metric}:{self.mode}:{self.count}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How to retain the refs ``select`` matches (a glob like ``runs/*/phase*/ckpt_*`` or a prefix)."""
+
+    select: str
+    name: str = ""
+    group_by: int | str | None = None
+    time: str = "created"
+    """``created``: the manifest's creation time; ``ref``: when the ref last changed (copies)."""
+    keep_last: int = 0
+    keep_within: float = 0.0
+    keep_hourly: int = 0
+    keep_daily: int = 0
+    keep_weekly: int = 0
+    keep_monthly: int = 0
+    keep_best: tuple[Best, ...] = ()
+    max_count: int = 0
+    keep_latest: bool = True
+    protect: tuple[str, ...] = ()
+    protect_targets_of: tuple[str, ...] = ()
+    protect_within: float = 0.0
+    protect_days: int = 0
+    budget_priority: int = 0
+    eviction_log: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.select, str) or not self.select:
+            raise ValueError("a rule needs a select pattern (a string)")
+        if self.time not in ("created", "ref"):
+            raise ValueError(f"rule time must be 'created' or 'ref', not {self.time!r}")
+        counts = ("keep_last", "keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
+        for name in (*counts, "max_count", "protect_days", "budget_priority"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a whole number, not {value!r}")
+            if value < 0 and name != "budget_priority":
+                raise ValueError(f"{name} must not be negative")
+        for name in ("keep_within", "protect_within"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{name} must be a duration of 0 seconds or more, not {value!r}")
+            if value == float("inf"):
+                raise ValueError(f"{name} must be finite")
+        if isinstance(self.group_by, str):
+            try:
+                re.compile(self.group_by)
+            except re.error as e:
+                raise ValueError(f"bad group_by regex {self.group_by!r}: {e}") from e
+        elif isinstance(self.group_by, int) and self.group_by < 0:
+            raise ValueError("group_by depth must not be negative")
+        if self.eviction_log:
+            from cas.retention.evictions import check_log_name
+
+            check_log_name(self.eviction_log)
+
+    @property
+    def label(self) -> str:
+        """The rule's name, else its pattern."""
+        return self.name or self.select
+
+    @property
+    def has_keep_limits(self) -> bool:
+        """Whether some keep-* limit decides what is kept (else everything is, before max_count)."""
+        return bool(self.keep_last or self.keep_within or any(getattr(self, f) for f, _ in PERIODS))
+
+    def keep_limits(self) -> list[str]:
+        """The keep-* limits, as words for a drop reason."""
+        out = []
+        if self.keep_last:
+            out.append(f"keep-last {self.keep_last}")
+        if self.keep_within:
+            out.append(f"keep-within {format_duration(self.keep_within)}")
+        out.extend(f"keep-{word} {getattr(self, f)}" for f, word in PERIODS if getattr(self, f))
+        return out
+
+    def group_of(self, ref: str) -> str:
+        """The group key of a ref this rule selects."""
+        parent = ref.rpartition("/")[0]
+        if self.group_by is None:
+            return parent
+        if isinstance(self.group_by, int):
+            return "/".join(ref.split("/")[: self.group_by])
+        match = re.match(self.group_by, ref)
+        if match is None:
+            return parent
+        return match.group(1) if match.groups() else match.group(0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data with only the fields that differ from the defaults."""
+        out: dict[str, Any] = {}
+        defaults = Rule("x")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "select" or value != getattr(defaults, f.name):
+                out[f.name] = [str(b) for b in value] if f.name == "keep_best" else value
+        for name in ("protect", "protect_targets_of"):
+            if name in out:
+                out[name] = list(out[name])
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Rule:
+        """Parse a rule; durations may be strings (``"36h"``), unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(doc) - known
+        if unknown:
+            raise FormatError(f"unknown retention rule settings: {', '.join(sorted(unknown))}")
+        values = dict(doc)
+        for name in _DURATION_FIELDS:
+            if name in values:
+                values[name] = parse_duration(values[name])
+        if "keep_best" in values:
+            values["keep_best"] = tuple(
+                b if isinstance(b, Best) else Best.parse(b) if isinstance(b, str) else Best(**b)
+                for b in values["keep_best"]
+            )
+        for name in ("protect", "protect_targets_of"):
+            if name in values:
+                values[name] = tuple(values[name])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Rules plus store-wide settings; ``plan(repo)`` says what to remove, ``apply`` does it."""
+
+    rules: tuple[Rule, ...] = ()
+    protect: tuple[str, ...] = ()
+    """Refs matching these are never removed, whatever rule selects them."""
+    min_age: float = 0.0
+    """Refs younger than this are never removed (a safety buffer for in-progress work)."""
+    max_total_bytes: int = 0
+    """Store-wide budget on what kept refs reach; 0 means none."""
+    timezone: str = "UTC"
+    """Where calendar hours/days/weeks/months begin: ``UTC``, ``local`` or an IANA name."""
+
+    def __post_init__(self) -> None:
+        if self.min_age < 0 or self.max_total_bytes < 0:
+            raise ValueError("min_age and max_total_bytes must not be negative")
+        zone_of(self.timezone)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``StoreConfig.extra["retention"]`` and ``--json``."""
+        return {
+            "rules": [rule.to_dict() for rule in self.rules],
+            "protect": list(self.protect),
+            "min_age": self.min_age,
+            "max_total_bytes": self.max_total_bytes,
+            "timezone": self.timezone,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> RetentionPolicy:
+        """Parse a policy (sizes may be ``"150G"``, durations ``"1h"``)."""
+        if not isinstance(doc, dict):
+            raise FormatError("a retention policy must be a map")
+        unknown = set(doc) - {f.name for f in fields(cls)}
+        if unknown:
+            raise FormatError(f"unknown retention policy settings: {', '.join(sorted(unknown))}")
+        try:
+            return cls(
+                rules=tuple(Rule.from_dict(r) for r in doc.get("rules", ())),
+                protect=tuple(doc.get("protect", ())),
+                min_age=parse_duration(doc.get("min_age", 0)),
+                max_total_bytes=parse_size(doc.get("max_total_bytes", 0)),
+                timezone=str(doc.get("timezone", "UTC")),
+            )
+        except (TypeError, ValueError) as e:
+            raise FormatError(f"bad retention policy: {e}") from e
+
+    @classmethod
+    def from_config(cls, extra: dict[str, Any]) -> RetentionPolicy | None:
+        """The policy stored in ``StoreConfig.extra``, or None."""
+        doc = extra.get(RETENTION_SECTION)
+        return None if not doc else cls.from_dict(doc)
+
+    def store(self, repo: Repository) -> None:
+        """Save this policy in the store's config, so a plain ``cas forget`` applies it."""
+        repo.config = repo.config.with_extra(RETENTION_SECTION, self.to_dict())
+        write_config(repo.blobs, repo.config)
+
+    def plan(self, repo: Repository, *, now: float | None = None) -> ForgetPlan:
+        """What applying the policy now would remove (nothing is changed)."""
+        return plan_forget(repo, self, now=now)
+
+    def apply(self, repo: Repository, *, now: float | None = None) -> ForgetResult:
+        """Plan and execute (the hook ``CheckpointManager`` calls after each save)."""
+        return self.plan(repo, now=now).execute(repo)
+
+    def describe(self) -> list[str]:
+        """Human-readable lines."""
+        lines = []
+        for rule in self.rules:
+            parts = [f"{k}={_show(k, v)}" for k, v in rule.to_dict().items() if k != "select"]
+            lines.append(f"rule {rule.select}: {', '.join(parts) or 'keep everything'}")
+        if self.protect:
+            lines.append(f"protect: {', '.join(self.protect)}")
+        if self.min_age:
+            lines.append(f"min-age: {format_duration(self.min_age)}")
+        if self.max_total_bytes:
+            lines.append(f"max-total: {format_size(self.max_total_bytes)}")
+        if self.timezone != "UTC":
+            lines.append(f"timezone: {self.timezone}")
+        return lines or ["no retention policy: forget removes nothing"]
+
+
+def _show(key: str, value: Any) -> str:
+    if key in _DURATION_FIELDS:
+        return format_duration(value)
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def rule_from_options(select: str, **options: Any) -> Rule:
+    """A Rule from CLI-style options (None means unset), parsing durations and keep-best."""
+    values = {k: v for k, v in options.items() if v not in (None, (), "")}
+    return Rule.from_dict({"select": select, **values})
+
+
+def policy_with(policy: RetentionPolicy, **changes: Any) -> RetentionPolicy:
+    """A copy with store-wide settings changed (None leaves one as it is)."""
+    return replace(policy, **{k: v for k, v in changes.items() if v is not None})

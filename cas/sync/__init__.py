@@ -1,0 +1,1 @@
+"""Moving checkpoints between stores: push, pull and archive."""

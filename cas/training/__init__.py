@@ -1,0 +1,1 @@
+"""Training-loop support: the checkpoint manager, async saves, history, pool, signals, integrations."""

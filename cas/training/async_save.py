@@ -1,0 +1,265 @@
+"""Async checkpoint writes: copy the state to CPU memory now, hash, encode and write it later.
+
+The training loop only waits for ``snapshot``: every tensor is copied into a CPU staging buffer
+(pinned when CUDA is present, so device copies run asynchronously and one synchronize ends them).
+The rest of a save (blake3, codecs, file or S3 writes, ref updates) runs on one background thread,
+in submission order, with at most ``max_in_flight`` saves queued or running: a further ``submit``
+blocks until one finishes (back-pressure, so staging memory stays bounded). A failure in the
+background is kept and raised by the next ``submit``, ``wait`` or ``close``: it is never lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from cas.blobstore.direct import DIRECT_MIN
+from cas.errors import CASError
+from cas.objects.store import HEADER_SIZE
+
+T = TypeVar("T")
+P = TypeVar("P")
+
+STAGING_OFFSET = HEADER_SIZE
+"""How far past a page boundary a large staged tensor starts: a raw chunk's header length.
+
+Chunks are cut from a tensor's first byte at multiples of the chunk size (a multiple of a page
+unless a store chose otherwise), and a raw chunk is stored as this header followed by its bytes, so
+every payload then sits in memory where it goes in the file modulo a page, and ``write_direct``
+sends it to the disk from where it lies instead of copying it into an aligned buffer
+(cas.blobstore.direct).
+"""
+
+
+class AsyncSaveError(CASError):
+    """A checkpoint write that ran in the background failed; the checkpoint was not committed."""
+
+
+@dataclass
+class StagingSet:
+    """One save's CPU buffers, reused by later saves once that save has been written."""
+
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class Stager:
+    """Copies nested states into reusable CPU buffers; one ``StagingSet`` per save in flight.
+
+    Reusing buffers matters: a fresh allocation of a large buffer costs page faults on every
+    page, and pinned allocations are far slower still.
+    """
+
+    def __init__(self, pin_memory: bool | None = None) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._free: list[StagingSet] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> StagingSet:
+        """A staging set not used by any save in flight."""
+        with self._lock:
+            return self._free.pop() if self._free else StagingSet()
+
+    def release(self, staging: StagingSet) -> None:
+        """Give a set back once the save that used it has been written."""
+        with self._lock:
+            self._free.append(staging)
+
+    def snapshot(self, state: Any, staging: StagingSet) -> Any:
+        """A copy of ``state`` whose tensors live in ``staging``; shared tensors stay shared."""
+        seen: dict[int, Any] = {}
+        counter = [0]
+        device_copies = [False]
+        staging.nbytes = 0
+
+        def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+            ordinal = counter[0]
+            counter[0] += 1
+            source = tensor.detach()
+            buffer = staging.buffers.get(ordinal)
+            if buffer is None or buffer.dtype != source.dtype or buffer.shape != source.shape:
+                if self.pin_memory and source.device.type != "cpu":
+                    buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+                else:
+                    buffer = staging_tensor(source.shape, source.dtype)
+                staging.buffers[ordinal] = buffer
+            if source.device.type != "cpu":
+                buffer.copy_(source, non_blocking=buffer.is_pinned())
+                device_copies[0] = True
+            elif (
+                source.is_contiguous()
+                and source.numel()
+                and not (source.is_conj() or source.is_neg())
+            ):
+                # A plain memcpy: torch's copy_ opens a parallel region per tensor, and its
+                # worker threads then spin, burning more CPU than the copy itself.
+                np.copyto(_bytes_of(buffer), _bytes_of(source))
+            else:
+                buffer.copy_(source)
+            staging.nbytes += buffer.numel() * buffer.element_size()
+            return buffer
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                key = id(obj)
+                if key not in seen:
+                    seen[key] = copy_tensor(obj)
+                return seen[key]
+            if isinstance(obj, np.ndarray):
+                key = id(obj)
+                if key not in seen:
+                    seen[key] = obj.copy()
+                    staging.nbytes += obj.nbytes
+                return seen[key]
+            if isinstance(obj, dict):
+                return {k: walk(v) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [walk(v) for v in obj]
+            if isinstance(obj, tuple):
+                return tuple(walk(v) for v in obj)
+            return obj  # immutable leaves (numbers, strings, dtypes...) need no copy
+
+        copied = walk(state)
+        if device_copies[0] and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return copied
+
+
+class AsyncWriter(Generic[T]):
+    """Runs save jobs on one background thread, in order, at most ``max_in_flight`` at once."""
+
+    def __init__(self, max_in_flight: int = 1, *, name: str = "cas-save", nice: int = 0) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.max_in_flight = max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name, initializer=lower_thread_priority,
+            initargs=(nice,),
+        )  # fmt: skip
+        self._failure: BaseException | None = None
+        self._failure_lock = threading.Lock()
+        self._pending: set[Future[T]] = set()
+        self._closed = False
+
+    def check(self) -> None:
+        """Raise the failure of a background job that nobody has seen yet."""
+        with self._failure_lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise AsyncSaveError(f"a background checkpoint save failed: {failure}") from failure
+
+    def submit(
+        self,
+        prepare: Callable[[], P],
+        write: Callable[[P], T],
+        *,
+        cleanup: Callable[[P], None] | None = None,
+    ) -> tuple[Future[T], float]:
+        """Wait for a free slot, run ``prepare`` here, then ``write(prepared)`` in the background.
+
+        Returns the job's future and the seconds the caller was blocked (slot wait + prepare).
+        ``cleanup(prepared)`` runs after ``write``, whether it failed or not.
+        """
+        if self._closed:
+            raise CASError("the async writer is closed")
+        start = time.perf_counter()
+        self._slots.acquire()
+        try:
+            # After the slot wait: a job that failed while this save waited for it (its failure
+            # is recorded before it frees its slot) is raised here, by this save.
+            self.check()
+            prepared = prepare()
+        except BaseException:
+            self._slots.release()
+            raise
+        blocked = time.perf_counter() - start
+
+        def run() -> T:
+            try:
+                return write(prepared)
+            except BaseException as e:
+                with self._failure_lock:
+                    if self._failure is None:
+                        self._failure = e
+                raise
+            finally:
+                if cleanup is not None:
+                    cleanup(prepared)
+                self._slots.release()
+
+        future = self._executor.submit(run)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future, blocked
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs queued or running."""
+        return len(self._pending)
+
+    def wait(self) -> None:
+        """Block until every submitted job has finished; raise an unseen failure."""
+        for future in list(self._pending):
+            # A failure is kept in self._failure and raised by check() below.
+            with contextlib.suppress(BaseException):
+                future.result()
+        self.check()
+
+    def close(self) -> None:
+        """Finish every job, stop the thread, and raise an unseen failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+
+
+def staging_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor that starts ``STAGING_OFFSET`` bytes past a page boundary.
+
+    Only when its chunks can be large enough for direct writes: a smaller one would waste most of
+    a page and a mapping of its own for nothing. Every dtype's item size divides the offset.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if STAGING_OFFSET + nbytes < DIRECT_MIN:
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, STAGING_OFFSET + nbytes)  # the tensor keeps it mapped
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=STAGING_OFFSET)
+    return flat.view(dtype).reshape(shape)
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux; elsewhere a no-op).
+
+    On Linux nice is per thread and threads inherit it, so the chunk workers this thread starts
+    run at the same low priority. Training uses every core through its intra-op threads; a
+    background save at normal priority preempts one of them and stalls each parallel region at
+    its barrier, costing far more than the save's own CPU time. At low priority it runs in the
+    gaps instead.
+    """
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    thread = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + increment))
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A contiguous CPU tensor's storage as a flat uint8 numpy view (any dtype, 0-d included)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()

@@ -1,0 +1,610 @@
+"""CheckpointManager: a training run's periodic, signal and final saves, latest/best/gates, and resume.
+
+Refs follow Hydra's layout by default (``Layout`` changes it)::
+
+    runs/<YYYYMMDD_HHmmss>_<seed_hex8>/phase<N>/ckpt_phase<N>_step<08d>   one per save
+    runs/<id>/latest              the newest save of the run (its history lists every save)
+    runs/<id>/phase<N>/best       the best save of the phase by ``best=(metric, "min"|"max")``
+    runs/<id>/history             the append-only training history (``cas.training.history``)
+    gates/<name>                  ``promote_gate``: a copy that retention never prunes
+
+A saved manifest's tree is ``{"state": <your state>, "rng": <cas.training.rng.capture()>}`` and its meta
+holds step, phase, metrics, status (``running``/``interrupted``/``completed``), trigger and the
+config hash. Every save writes chunks, then the manifest, then the checkpoint ref, then moves
+``latest`` and ``best`` by compare-and-swap: a process killed at any point leaves ``latest`` on a
+complete checkpoint. A ``policy`` (retention, issue 5) is anything with ``apply(repo)`` or a
+callable ``policy(repo)``; it runs after each save, in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cas.digest import Digest
+from cas.errors import CASError, NotFound, RefConflict
+from cas.repo.repository import Repository
+from cas.training import rng as rng_mod
+from cas.training.async_save import AsyncWriter, Stager, StagingSet
+from cas.training.compat import (
+    ConfigMismatch,
+    StrictLoadError,
+    check_config,
+    check_keys,
+    config_hash,
+    plain_config,
+)
+from cas.training.history import Record, TrainingHistory, plain_record
+from cas.training.layout import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
+from cas.training.restore import (
+    Found,
+    Restored,
+    Skipped,
+    load_checkpoint,
+    load_first_good,
+    resume_candidates,
+    unwrap,
+)
+from cas.training.signals import SignalTriggers
+
+if TYPE_CHECKING:
+    from cas.training.pool import OpponentPool
+
+__all__ = [
+    "CheckpointManager",
+    "ConfigMismatch",
+    "Layout",
+    "PendingSave",
+    "Restored",
+    "SaveResult",
+    "Skipped",
+    "StrictLoadError",
+    "config_hash",
+    "new_run_id",
+]
+
+log = logging.getLogger("cas.training.manager")
+
+CHECKPOINT_SCHEMA = 1
+MODES = ("fresh", "warm_start", "resume", "auto")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """A committed checkpoint."""
+
+    step: int
+    phase: int
+    ref: str
+    digest: Digest
+    trigger: str
+    status: str
+    is_best: bool
+    blocking_seconds: float
+    write_seconds: float
+    logical_bytes: int
+    new_bytes: int
+    retention_error: str | None = None
+    """Why the retention policy did not run after this save (it is committed all the same)."""
+
+
+class PendingSave:
+    """A save whose copy is taken; ``result()`` waits for it to be committed."""
+
+    def __init__(self, future: Future[SaveResult], step: int, ref: str, blocking: float) -> None:
+        self.future = future
+        self.step = step
+        self.ref = ref
+        self.blocking_seconds = blocking
+
+    def done(self) -> bool:
+        """Whether the save has been committed (or failed)."""
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """Wait for the commit; re-raise its failure."""
+        return self.future.result(timeout)
+
+
+@dataclass
+class _LentThread:
+    """An intra-op thread the training thread lent to background saves (``yield_thread``)."""
+
+    thread: int
+    """``threading.get_ident()`` of the thread that lent it: OpenMP's count is per thread."""
+    threads: int
+    """Its ``torch.get_num_threads()`` before the save."""
+    save: Future[SaveResult]
+    """The newest save it waits for."""
+
+
+@dataclass
+class _Prepared:
+    tree: dict[str, Any]
+    meta: dict[str, Any]
+    ref: str
+    step: int
+    phase: int
+    trigger: str
+    status: str
+    records: list[Record]
+    staging: StagingSet | None
+    blocking: float = 0.0
+
+
+class CheckpointManager:
+    """Saves and restores one training run; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        *,
+        run: str | None = None,
+        seed: int = 0,
+        phase: int = 1,
+        every_n_steps: int | None = None,
+        best: tuple[str, str] | None = None,
+        policy: Any = None,
+        config: Any = None,
+        layout: Layout = DEFAULT_LAYOUT,
+        async_save: bool = True,
+        max_in_flight: int = 1,
+        background_nice: int | None = None,
+        background_workers: int = 2,
+        yield_thread: bool = False,
+        signals: bool = True,
+        exit_on_stop: bool = True,
+        capture_rng: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if best is not None and best[1] not in ("min", "max"):
+            raise ValueError(f"best must be (metric, 'min' | 'max'), got {best!r}")
+        self.repo = repo
+        self.seed = seed
+        self.phase = phase
+        self.every_n_steps = every_n_steps
+        self.best = best
+        self.policy = policy
+        self.config = config
+        self.config_hash = config_hash(config) if config is not None else None
+        self.layout = layout
+        self.exit_on_stop = exit_on_stop
+        self.capture_rng = capture_rng
+        self.clock = clock
+        self.run = run_prefix(run if run is not None else new_run_id(seed, clock))
+        self.run_id = self.run.rsplit("/", 1)[-1]
+        self.history = TrainingHistory(repo, layout.history.format(run=self.run))
+        self._pending_records: list[Record] = []
+        self._records_lock = threading.Lock()
+        self._stager = Stager()
+        self._writer: AsyncWriter[SaveResult] | None = None
+        self._write_repo = repo
+        if background_nice is None:
+            # Measured (docs/training.md, "Async saves"): at normal priority a save finishes in
+            # fewer slices, but once it has a core lent, low priority keeps its extra threads
+            # off the core the loop kept.
+            background_nice = 10 if yield_thread else 0
+        if async_save:
+            self._writer = AsyncWriter(max_in_flight, nice=background_nice)
+            # Its own chunk workers, started from the low-priority save thread, so they inherit
+            # that priority; the same blobs, written past the page cache where the store can
+            # (a local store's O_DIRECT halves what a save takes from the loop, docs/design.md).
+            self._write_repo = Repository(
+                repo.blobs.for_background_writes(), repo.config, clock=repo.clock,
+                workers=background_workers,
+            )  # fmt: skip
+        self._write_history = TrainingHistory(self._write_repo, self.history.ref)
+        self.yield_thread = yield_thread
+        self._lent: _LentThread | None = None
+        self._latest_target = self._read_target(self.latest_ref)
+        self._best_cache: tuple[Digest, float] | None = None
+        self.triggers = SignalTriggers()
+        if signals:
+            self.triggers.install()
+        self._closed = False
+
+    @property
+    def latest_ref(self) -> str:
+        """The ref naming the newest checkpoint of the run."""
+        return self.layout.latest.format(run=self.run)
+
+    @property
+    def best_ref(self) -> str:
+        """The ref naming the best checkpoint of the current phase."""
+        return self.layout.best.format(run=self.run, phase=self.phase)
+
+    def checkpoint_ref(self, step: int, phase: int | None = None) -> str:
+        """The ref a save of ``step`` goes to."""
+        return self.layout.checkpoint.format(run=self.run, phase=phase or self.phase, step=step)
+
+    @property
+    def stop_requested(self) -> bool:
+        """SIGTERM or SIGINT arrived: the next ``step_end`` saves and stops."""
+        return self.triggers.stop_requested
+
+    def _read_target(self, ref: str) -> Digest | None:
+        record = self.repo.refs_store.try_get(ref)
+        return record.target if record else None
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a periodic save point."""
+        every = self.every_n_steps
+        return every is not None and every > 0 and step > 0 and step % every == 0
+
+    def record(self, step: int, **values: Any) -> None:
+        """Append a record to the training history (written with the next save or ``close``)."""
+        with self._records_lock:
+            self._pending_records.append(plain_record(step, values))
+
+    def step_end(
+        self, step: int, state: Any | Callable[[], Any], metrics: Mapping[str, Any] | None = None
+    ) -> PendingSave | None:
+        """Call after each completed step; saves when a trigger fires.
+
+        ``state`` may be a callable, built only when a save happens. On SIGTERM/SIGINT this
+        saves ``step``, waits for it, marks the run ``interrupted`` and exits with status 0
+        (``SystemExit(0)``; with ``exit_on_stop=False`` it returns the save instead). With
+        ``yield_thread`` it also gives back the intra-op thread lent to a save once it is written.
+        """
+        self._reclaim_thread()
+        if self.triggers.stop_requested:
+            signum = self.triggers.stop_signal
+            pending = self.save(step, state, metrics, trigger="signal", status="interrupted")
+            pending.result()
+            self.close()
+            log.warning("signal %s: saved step %d to %s and stopped", signum, step, pending.ref)
+            if self.exit_on_stop:
+                raise SystemExit(0)
+            return pending
+        if self.triggers.take_save_request():
+            return self.save(step, state, metrics, trigger="signal")
+        if self.should_save(step):
+            return self.save(step, state, metrics, trigger="periodic")
+        return None
+
+    def finish(
+        self, step: int, state: Any | Callable[[], Any], metrics: Mapping[str, Any] | None = None
+    ) -> SaveResult:
+        """The final save of a completed run; waits for it. Signals act as before the manager."""
+        result = self.save(step, state, metrics, trigger="final", status="completed").result()
+        self._reclaim_thread()
+        self.triggers.uninstall()
+        return result
+
+    def save(
+        self,
+        step: int,
+        state: Any | Callable[[], Any],
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        trigger: str = "manual",
+        status: str = "running",
+    ) -> PendingSave:
+        """Save now. The call returns once the state is copied; the write runs in the background."""
+        if self._closed:
+            raise CASError("the checkpoint manager is closed")
+        plain_metrics = plain_record(step, metrics or {})
+        plain_metrics.pop("step")
+        phase = self.phase
+
+        def prepare() -> _Prepared:
+            start = time.perf_counter()
+            value = state() if callable(state) else state
+            staging = self._stager.acquire() if self._writer is not None else None
+            copied = self._stager.snapshot(value, staging) if staging is not None else value
+            tree: dict[str, Any] = {"state": copied}
+            if self.capture_rng:
+                tree["rng"] = rng_mod.capture()
+            ref = self.checkpoint_ref(step, phase)
+            with self._records_lock:
+                records, self._pending_records = self._pending_records, []
+            records.append(
+                {"step": step, "event": "save", "ref": ref, "trigger": trigger,
+                 "status": status, "metrics": plain_metrics}
+            )  # fmt: skip
+            prepared = _Prepared(
+                tree, self._meta(step, phase, trigger, status, plain_metrics), ref, step, phase,
+                trigger, status, records, staging,
+            )  # fmt: skip
+            prepared.blocking = time.perf_counter() - start
+            return prepared
+
+        if self._writer is None:
+            start = time.perf_counter()
+            prepared = prepare()
+            future: Future[SaveResult] = Future()
+            try:
+                future.set_result(self._write(prepared))
+            except BaseException as e:
+                future.set_exception(e)
+                raise
+            return PendingSave(future, step, prepared.ref, time.perf_counter() - start)
+        self._reclaim_thread()
+        future, blocked = self._writer.submit(prepare, self._write, cleanup=self._release)
+        self._lend_thread(future)
+        return PendingSave(future, step, self.checkpoint_ref(step, phase), blocked)
+
+    def _lend_thread(self, save: Future[SaveResult]) -> None:
+        """With ``yield_thread``, run the caller's parallel regions on one thread fewer until
+        ``save`` is written, so the save has a core of its own instead of stalling them."""
+        if not self.yield_thread or save.done():
+            return
+        if self._lent is not None and self._lent.thread == threading.get_ident():
+            self._lent.save = save  # still lent: keep it until the newest save is written
+            return
+        threads = torch.get_num_threads()
+        if self._lent is None and threads > 1:
+            torch.set_num_threads(threads - 1)
+            self._lent = _LentThread(threading.get_ident(), threads, save)
+
+    def _reclaim_thread(self, force: bool = False) -> None:
+        """Give the lent thread back once its save is written (``force``: now)."""
+        lent = self._lent
+        if lent is None or lent.thread != threading.get_ident():
+            return  # torch's thread count is per OpenMP thread: only the lender can restore it
+        if not (force or lent.save.done()):
+            return
+        self._lent = None
+        if torch.get_num_threads() == lent.threads - 1:  # unless the caller changed it since
+            torch.set_num_threads(lent.threads)
+
+    def _release(self, prepared: _Prepared) -> None:
+        if prepared.staging is not None:
+            self._stager.release(prepared.staging)
+
+    def _meta(
+        self, step: int, phase: int, trigger: str, status: str, metrics: dict[str, Any]
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "cas_checkpoint": CHECKPOINT_SCHEMA,
+            "run": self.run_id,
+            "phase": phase,
+            "step": step,
+            "trigger": trigger,
+            "status": status,
+            "metrics": metrics,
+            "seed": self.seed,
+            "saved_at": self.clock(),
+        }
+        if self.config_hash is not None:
+            meta["config_hash"] = self.config_hash
+            plain = plain_config(self.config)
+            if plain is not None:
+                meta["config"] = plain
+        return meta
+
+    def _write(self, prepared: _Prepared) -> SaveResult:
+        # One writer lease for the checkpoint, the history append and the pointer refs: a lease
+        # is a durable file write and delete, and holding one per commit doubled them per save.
+        with self._write_repo.leases.hold("checkpoint"):
+            return self._write_leased(prepared)
+
+    def _write_leased(self, prepared: _Prepared) -> SaveResult:
+        start = time.perf_counter()
+        try:
+            digest = self._write_repo.save(
+                prepared.tree, prepared.ref, prepared.meta, message=prepared.trigger
+            )
+            stats = self._write_repo.last_write
+            self._write_history.append(prepared.records)
+        except BaseException:
+            # The records this save carried (all but its own) go with the next save or close.
+            with self._records_lock:
+                self._pending_records[:0] = prepared.records[:-1]
+            raise
+        self._write_repo.refs_store.set(
+            self.latest_ref, digest, expected=self._latest_target, op="save", message=prepared.ref
+        )
+        self._latest_target = digest
+        is_best = self._update_best(digest, prepared)
+        retention_error = None
+        if self.policy is not None:
+            apply = getattr(self.policy, "apply", None)
+            try:
+                (apply or self.policy)(self.repo)
+            except Exception as e:  # e.g. a `cas gc` holds the maintenance lock right now
+                retention_error = f"{type(e).__name__}: {e}"
+                log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
+        return SaveResult(
+            prepared.step, prepared.phase, prepared.ref, digest, prepared.trigger,
+            prepared.status, is_best, prepared.blocking, time.perf_counter() - start,
+            stats.logical_bytes, stats.new_bytes, retention_error,
+        )  # fmt: skip
+
+    def _update_best(self, digest: Digest, prepared: _Prepared) -> bool:
+        if self.best is None:
+            return False
+        key, mode = self.best
+        value = prepared.meta["metrics"].get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            return False
+        best_ref = self.layout.best.format(run=self.run, phase=prepared.phase)
+        for _ in range(32):
+            current = self._read_target(best_ref)
+            if current is not None:
+                current_value = self._best_value(current, key)
+                if current_value is not None and not _better(float(value), current_value, mode):
+                    return False
+            try:
+                self._write_repo.refs_store.set(
+                    best_ref, digest, expected=current, op="best", message=prepared.ref
+                )
+            except RefConflict:
+                continue  # another writer moved best: compare against its choice
+            self._best_cache = (digest, float(value))
+            return True
+        raise RefConflict(f"{best_ref}: too many concurrent updates")
+
+    def _best_value(self, digest: Digest, key: str) -> float | None:
+        if self._best_cache is not None and self._best_cache[0] == digest:
+            return self._best_cache[1]
+        value = self._write_repo.manifest(digest).meta.get("metrics", {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._best_cache = (digest, float(value))
+            return float(value)
+        return None
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise a background failure."""
+        try:
+            if self._writer is not None:
+                self._writer.wait()
+        finally:
+            self._reclaim_thread(force=True)
+
+    def close(self) -> None:
+        """Finish saves in flight, write pending history records, remove the signal handlers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._reclaim_thread(force=True)
+            self.triggers.uninstall()
+            if self._write_repo is not self.repo:
+                self._write_repo.io.close()  # its threads only: the store is shared
+            with self._records_lock:
+                records, self._pending_records = self._pending_records, []
+            if records:
+                self.history.append(records)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def latest(self) -> str | None:
+        """The checkpoint ref ``latest`` names (None before the first save)."""
+        self.wait()
+        return self._ref_of(self.latest_ref)
+
+    def best_checkpoint(self) -> str | None:
+        """The checkpoint ref ``best`` names in the current phase (None if there is none)."""
+        self.wait()
+        return self._ref_of(self.best_ref)
+
+    def _ref_of(self, pointer: str) -> str | None:
+        record = self.repo.refs_store.try_get(pointer)
+        if record is None:
+            return None
+        return record.history[-1].message or pointer
+
+    def promote_gate(self, name: str, source: str | None = None) -> Digest:
+        """Copy ``source`` (default: this phase's best, else latest) to the gate ``name``.
+
+        A gate is a ref of its own (no chunk is written), so pruning checkpoints never removes
+        it; retention policies protect ``gates/**``.
+        """
+        self.wait()
+        if source is None:
+            source = self.best_ref if self._read_target(self.best_ref) else self.latest_ref
+        gate = self.layout.gate.format(name=name, run=self.run, phase=self.phase)
+        return self.repo.cp(source, gate, message=f"gate {name} from {source}")
+
+    def load_gate(
+        self,
+        name: str,
+        *,
+        keys: str | list[str] | None = None,
+        template: Any = None,
+        map_location: str | torch.device | None = None,
+    ) -> Any:
+        """Load a gate strictly: no fallback, and any key mismatch with ``template`` is an error."""
+        gate = self.layout.gate.format(name=name, run=self.run, phase=self.phase)
+        tree, meta = load_checkpoint(self.repo, gate, keys, map_location, with_rng=False)
+        state = unwrap(tree, meta)
+        if template is not None:
+            check_keys(state, template, gate)
+        return state
+
+    def pool(self, capacity: int = 20) -> OpponentPool:
+        """The opponent pool of this run's current phase."""
+        from cas.training.pool import OpponentPool
+
+        prefix = self.layout.pool.format(run=self.run, phase=self.phase)
+        return OpponentPool(self.repo, prefix, capacity=capacity, clock=self.clock)
+
+    def restore(
+        self,
+        mode: str = "resume",
+        *,
+        source: str | None = None,
+        keys: str | list[str] | None = None,
+        template: Any = None,
+        map_location: str | torch.device | None = None,
+    ) -> Restored:
+        """Start the run: ``fresh``, ``warm_start``, ``resume`` or ``auto`` (resume if possible).
+
+        - ``fresh``: nothing is loaded; RNGs are seeded from ``seed`` and the phase.
+        - ``warm_start``: weights from ``source`` (default: latest), RNGs seeded fresh, no config
+          check; use it at a phase transition, with ``template`` for a strict key check.
+        - ``resume``: the exact state, RNGs restored; the config hash must match. Without a
+          ``source``, a latest checkpoint that fails verification is skipped for the one before
+          it, with a warning and an entry in ``Restored.fallbacks``.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.wait()
+        self._latest_target = self._read_target(self.latest_ref)
+        if mode == "auto":
+            mode = "resume" if source is not None or self._latest_target is not None else "fresh"
+        if mode == "fresh":
+            rng_mod.seed_all(rng_mod.phase_seed(self.seed, self.phase))
+            return Restored("fresh", None, phase=self.phase)
+        candidates: Iterable[tuple[str, Digest]]
+        if source is not None:
+            candidates = [(source, self.repo.resolve(source))]
+        elif self._latest_target is None:
+            raise NotFound(f"run {self.run} has no checkpoint to {mode.replace('_', ' ')} from")
+        else:
+            candidates = resume_candidates(self.repo, self.latest_ref)
+        check = self._check_config if mode == "resume" else None
+        found = load_first_good(
+            self.repo, candidates, keys=keys, map_location=map_location,
+            with_rng=mode == "resume", check=check, fallback=source is None,
+        )  # fmt: skip
+        return self._restored(mode, found, template)
+
+    def _check_config(self, ref: str, meta: Mapping[str, Any]) -> None:
+        check_config(ref, meta, self.config_hash, self.config)
+
+    def _restored(self, mode: str, found: Found, template: Any) -> Restored:
+        state = unwrap(found.tree, found.meta)
+        if template is not None:
+            check_keys(state, template, found.ref)
+        step = int(found.meta.get("step", 0))
+        warnings: list[str] = []
+        if mode == "resume":
+            if isinstance(found.tree, dict) and isinstance(found.tree.get("rng"), dict):
+                warnings = rng_mod.restore(found.tree["rng"])
+            elif self.capture_rng:
+                warnings.append(f"{found.ref} holds no RNG state; RNGs were not restored")
+            self.phase = int(found.meta.get("phase", self.phase))
+        else:
+            rng_mod.seed_all(rng_mod.phase_seed(self.seed, self.phase))
+        with self._records_lock:
+            self._pending_records.append(
+                {"step": step, "event": mode, "ref": found.ref,
+                 "skipped": [s.ref for s in found.skipped]}
+            )  # fmt: skip
+        return Restored(
+            mode, state, step, int(found.meta.get("phase", self.phase)), found.ref, found.digest,
+            dict(found.meta.get("metrics", {})), found.meta, found.skipped, warnings,
+        )  # fmt: skip
+
+
+def _better(value: float, current: float, mode: str) -> bool:
+    if math.isnan(current):
+        return True
+    return value < current if mode == "min" else value > current
