@@ -100,7 +100,11 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
     for name in big[::10]:
         changed[name] = state[name] + 1
     changed_bytes = sum(changed[n].numel() * 4 for n in changed if changed[n] is not state[n])
-    results: dict[str, Any] = {"state_bytes": nbytes, "tensors": len(state), "changed_bytes": changed_bytes}
+    results: dict[str, Any] = {
+        "state_bytes": nbytes,
+        "tensors": len(state),
+        "changed_bytes": changed_bytes,
+    }
 
     def reset(path: Path) -> Callable[[], None]:
         def clear() -> None:
@@ -158,7 +162,9 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
     rows["dcp"] = {"save": timed(dcp_save, repeat, reset(dcp_dir))}
     rows["dcp"]["resave10"] = timed(lambda: (reset(dcp_dir)(), dcp_save(changed)), repeat)
     target = {k: torch.empty_like(v) for k, v in state.items()}
-    rows["dcp"]["load"] = timed(lambda: (dcp.load(target, checkpoint_id=str(dcp_dir)), touch(target)), repeat)
+    rows["dcp"]["load"] = timed(
+        lambda: (dcp.load(target, checkpoint_id=str(dcp_dir)), touch(target)), repeat
+    )
     rows["cas"] = {"save": timed(cas_save, repeat, reset(store_dir))}
     rows["cas"]["resave10"] = timed(cas_resave, repeat, cas_store_with_state)
     repo = cas.open(store_dir)
@@ -173,9 +179,18 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
     base = rows["torch.save"]
     results["rows"] = rows
     results["targets"] = {
-        "first_save_vs_torch_save_throughput": {"value": base["save"] / rows["cas"]["save"], "target": ">= 1.5"},
-        "resave10_vs_torch_save_time": {"value": rows["cas"]["resave10"] / base["save"], "target": "<= 0.2"},
-        "load_vs_torch_load_speed": {"value": base["load"] / rows["cas"]["load"], "target": ">= 1.0"},
+        "first_save_vs_torch_save_throughput": {
+            "value": base["save"] / rows["cas"]["save"],
+            "target": ">= 1.5",
+        },
+        "resave10_vs_torch_save_time": {
+            "value": rows["cas"]["resave10"] / base["save"],
+            "target": "<= 0.2",
+        },
+        "load_vs_torch_load_speed": {
+            "value": base["load"] / rows["cas"]["load"],
+            "target": ">= 1.0",
+        },
     }
     return results
 
@@ -184,8 +199,12 @@ def print_core(results: dict[str, Any]) -> None:
     """The core table."""
     size = results["state_bytes"] / GB
     share = results["changed_bytes"] / results["state_bytes"]
-    print(f"\n== core: {size:.2f} GiB state dict, {results['tensors']} tensors; durable (fsync) writes")
-    print(f"   re-save changes {share:.0%} of the bytes; loads are warm (page cache) and touch every page")
+    print(
+        f"\n== core: {size:.2f} GiB state dict, {results['tensors']} tensors; durable (fsync) writes"
+    )
+    print(
+        f"   re-save changes {share:.0%} of the bytes; loads are warm (page cache) and touch every page"
+    )
     print(f"{'writer':<14}{'save s':>9}{'GiB/s':>8}{'resave10% s':>13}{'load s':>9}{'GiB/s':>8}")
     for name, row in results["rows"].items():
         print(
@@ -193,7 +212,9 @@ def print_core(results: dict[str, Any]) -> None:
             f"{row['load']:>9.2f}{row['load_gbps']:>8.2f}"
         )
     print(f"cas load with mmap: {results['rows']['cas']['load_mmap']:.2f} s")
-    print("(safetensors' load maps the file without copying, so a warm load costs only page faults)")
+    print(
+        "(safetensors' load maps the file without copying, so a warm load costs only page faults)"
+    )
     for name, target in results["targets"].items():
         print(f"  {name:<40} {target['value']:6.2f}  (target {target['target']})")
 
@@ -226,7 +247,10 @@ def main() -> None:
     if args.quick:
         args.size_gb, args.repeat = min(args.size_gb, 0.1), 1
     torch.set_num_threads(os.cpu_count() or 1)
-    out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "sections": {}}
+    out: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "sections": {},
+    }
     for section in [s.strip() for s in args.sections.split(",") if s.strip()]:
         if section == "core":
             with tempfile.TemporaryDirectory(dir=args.workdir or ROOT) as work:

@@ -115,7 +115,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(y)
         out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -127,7 +129,10 @@ class CharGPT(nn.Module):
 
     def __init__(self, scale: Scale) -> None:
         super().__init__()
-        self.tok, self.pos = nn.Embedding(256, scale.width), nn.Embedding(scale.context, scale.width)
+        self.tok, self.pos = (
+            nn.Embedding(256, scale.width),
+            nn.Embedding(scale.context, scale.width),
+        )
         self.blocks = nn.ModuleList(Block(scale.width, 4) for _ in range(scale.layers))
         self.ln, self.head = nn.LayerNorm(scale.width), nn.Linear(scale.width, 256, bias=False)
 
@@ -219,7 +224,11 @@ def module_lines(count: int, seq_chars: int) -> tuple[list[str], list[int]]:
     texts, labels = [], []
     per = max(1, count // len(modules))
     for label, rel in enumerate(modules):
-        lines = [ln.strip()[:seq_chars] for ln in (stdlib / rel).read_text().splitlines() if len(ln.strip()) > 20]
+        lines = [
+            ln.strip()[:seq_chars]
+            for ln in (stdlib / rel).read_text().splitlines()
+            if len(ln.strip()) > 20
+        ]
         for ln in lines[:per]:
             texts.append(ln)
             labels.append(label)
@@ -248,7 +257,9 @@ def finetune_minilm(out: Path, scale: Scale) -> Workload:
 
     def build() -> tuple[BertModel, nn.Linear]:
         torch.manual_seed(0)
-        model = BertModel(BertConfig.from_json_file(str(source / "config.json")), add_pooling_layer=False)
+        model = BertModel(
+            BertConfig.from_json_file(str(source / "config.json")), add_pooling_layer=False
+        )
         model.load_state_dict(base_tensors, strict=False)
         return model, nn.Linear(model.config.hidden_size, 8)
 
@@ -260,8 +271,13 @@ def finetune_minilm(out: Path, scale: Scale) -> Workload:
 
     def export(model: BertModel, head: nn.Linear, directory: Path) -> None:
         trained = model.state_dict()
-        tensors = {k: trained.get(k, v).detach().clone().contiguous() for k, v in base_tensors.items()}
-        tensors["head.weight"], tensors["head.bias"] = head.weight.detach().clone(), head.bias.detach().clone()
+        tensors = {
+            k: trained.get(k, v).detach().clone().contiguous() for k, v in base_tensors.items()
+        }
+        tensors["head.weight"], tensors["head.bias"] = (
+            head.weight.detach().clone(),
+            head.bias.detach().clone(),
+        )
         directory.mkdir(parents=True)
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         shutil.copy(source / "config.json", directory / "config.json")
@@ -283,7 +299,9 @@ def finetune_minilm(out: Path, scale: Scale) -> Workload:
         backward(loss)
         opt.step()
     export(model, head, out / "minilm" / "ft_full")
-    workload.checkpoints.append(("runs/minilm-ft/final", out / "minilm" / "ft_full", "models/minilm/base"))
+    workload.checkpoints.append(
+        ("runs/minilm-ft/final", out / "minilm" / "ft_full", "models/minilm/base")
+    )
 
     model, head = build()
     model.train(False)
@@ -298,13 +316,21 @@ def finetune_minilm(out: Path, scale: Scale) -> Workload:
         backward(loss)
         opt.step()
     export(model, head, out / "minilm" / "ft_head")
-    workload.checkpoints.append(("runs/minilm-head/final", out / "minilm" / "ft_head", "models/minilm/base"))
+    workload.checkpoints.append(
+        ("runs/minilm-head/final", out / "minilm" / "ft_head", "models/minilm/base")
+    )
 
     copies = [("gates/minilm_best", "runs/minilm-ft/final", out / "minilm" / "ft_full")]
     sources = ["runs/minilm-head/final", "runs/minilm-ft/final"]
     for i in range(scale.pool_copies):
         src = sources[i % len(sources)]
-        copies.append((f"pool/v{i + 1:04d}", src, out / "minilm" / ("ft_head" if "head" in src else "ft_full")))
+        copies.append(
+            (
+                f"pool/v{i + 1:04d}",
+                src,
+                out / "minilm" / ("ft_head" if "head" in src else "ft_full"),
+            )
+        )
     for ref, src, directory in copies:
         copy_dir = out / "minilm" / ref.replace("/", "_")
         shutil.copytree(directory, copy_dir)
@@ -363,7 +389,9 @@ def measure_tool(tool: str, workload: Workload, work: Path) -> dict[str, Any] | 
     subprocess.run(init, env=env, check=True, capture_output=True)
     version = subprocess.run([tool, "--version" if tool == "borg" else "version"], env=env,
                              capture_output=True, text=True).stdout.strip()  # fmt: skip
-    dirs = [(ref, d) for ref, d, _ in workload.checkpoints] + [(ref, d) for ref, _, d in workload.copies]
+    dirs = [(ref, d) for ref, d, _ in workload.checkpoints] + [
+        (ref, d) for ref, _, d in workload.copies
+    ]
     started = time.perf_counter()
     for i, (_, directory) in enumerate(dirs):
         if tool == "borg":
@@ -386,7 +414,9 @@ def bench_workload(workload: Workload, work: Path, scale: Scale) -> dict[str, An
     codecs: dict[str, int] = {}
     for ref in refs:
         for tensor in auto["repo"].manifest(ref).tensors:
-            name = (tensor.encoding or {}).get("codec", "inline" if tensor.inline is not None else "raw")
+            name = (tensor.encoding or {}).get(
+                "codec", "inline" if tensor.inline is not None else "raw"
+            )
             codecs[name] = codecs.get(name, 0) + tensor.nbytes
     row: dict[str, Any] = {
         "checkpoints": len(workload.checkpoints),
@@ -425,7 +455,10 @@ def print_table(results: dict[str, Any]) -> None:
           f"{'ingest MB/s cas/borg/restic':>27}   load MB/s auto/raw (ratio)")  # fmt: skip
     for name, row in results["workloads"].items():
         c = row["cas"]
-        borg_ratio, restic_ratio = _cell(row, "borg", "ratio", "6.3f"), _cell(row, "restic", "ratio", "6.3f")
+        borg_ratio, restic_ratio = (
+            _cell(row, "borg", "ratio", "6.3f"),
+            _cell(row, "restic", "ratio", "6.3f"),
+        )
         tools = [_cell(row, t, "ingest_mb_s", ".0f") for t in ("borg", "restic")]
         speeds = "/".join([f"{c['ingest_mb_s']:.0f}", *tools])
         print(
@@ -462,7 +495,10 @@ def run(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
             t1 = time.perf_counter()
             results["workloads"][name] = bench_workload(workload, work, scale)
             results["timings"][name] = {"build_s": t1 - t0, "measure_s": time.perf_counter() - t1}
-            print(f"  {name}: built in {t1 - t0:.0f} s, measured in {time.perf_counter() - t1:.0f} s", flush=True)
+            print(
+                f"  {name}: built in {t1 - t0:.0f} s, measured in {time.perf_counter() - t1:.0f} s",
+                flush=True,
+            )
     results["total_seconds"] = time.perf_counter() - started
     print_table(results)
     return results

@@ -43,7 +43,9 @@ def make_file(path: Path, size_gb: float) -> int:
     """A safetensors file of 16 random fp32 tensors totalling about ``size_gb`` GiB."""
     per_tensor = max(1, int(size_gb * GB) // 16 // 4)
     gen = torch.Generator().manual_seed(0)
-    save_file({f"layer.{i}.weight": torch.randn(per_tensor, generator=gen) for i in range(16)}, path)
+    save_file(
+        {f"layer.{i}.weight": torch.randn(per_tensor, generator=gen) for i in range(16)}, path
+    )
     return path.stat().st_size
 
 
@@ -133,7 +135,9 @@ def random_reads(repo: cas.Repository, url: str, size: int, count: int) -> dict[
     }
 
 
-def run(quick: bool = False, size_gb: float = 1.0, repeat: int = 3, workdir: str | None = None) -> dict[str, Any]:
+def run(
+    quick: bool = False, size_gb: float = 1.0, repeat: int = 3, workdir: str | None = None
+) -> dict[str, Any]:
     """Run the benchmark; return the figures (also printed)."""
     if quick:
         size_gb, repeat = min(size_gb, 0.1), 1
@@ -159,7 +163,11 @@ def run(quick: bool = False, size_gb: float = 1.0, repeat: int = 3, workdir: str
         # perfectly over the machine's cores that is the fastest any verified read can go.
         cores = os.cpu_count() or 1
         local_best = size / rows["readinto_8MiB"]["local_GBps"] / 1e9
-        ceiling = local_best / ((local_best + hashing) / cores) if cores > 1 else local_best / (local_best + hashing)
+        ceiling = (
+            local_best / ((local_best + hashing) / cores)
+            if cores > 1
+            else local_best / (local_best + hashing)
+        )
         random_figures = random_reads(repo, url, size, 20 if quick else 200)
         repo.close()
     result = {
@@ -172,7 +180,8 @@ def run(quick: bool = False, size_gb: float = 1.0, repeat: int = 3, workdir: str
         "random_4k": random_figures,
         "targets": {
             "sequential read ratio cas/local (readinto)": {
-                "value": rows["readinto_8MiB"]["ratio"], "target": ">= 0.8",
+                "value": rows["readinto_8MiB"]["ratio"],
+                "target": ">= 0.8",
             },
             "4 KiB random reads touching one chunk": {
                 "value": random_figures["chunks_touched"].get("1", 0) / random_figures["reads"],
@@ -182,13 +191,19 @@ def run(quick: bool = False, size_gb: float = 1.0, repeat: int = 3, workdir: str
     }
     print(f"file {size / 1e9:.2f} GB, best of {repeat}, warm")
     for mode, row in rows.items():
-        print(f"  {mode:<14} local {row['local_GBps']:5.2f} GB/s   cas:// {row['cas_GBps']:5.2f} GB/s"
-              f"   ratio {row['ratio']:.2f}")
+        print(
+            f"  {mode:<14} local {row['local_GBps']:5.2f} GB/s   cas:// {row['cas_GBps']:5.2f} GB/s"
+            f"   ratio {row['ratio']:.2f}"
+        )
     print(f"  blake3 alone (bytes in memory, one thread): {size / hashing / 1e9:5.2f} GB/s")
-    print(f"  ceiling for a verified read on {cores} cores (copy + hash, perfectly parallel): "
-          f"ratio {min(ceiling, 1.0):.2f}")
-    print(f"  random 4 KiB: chunks touched {random_figures['chunks_touched']}, "
-          f"median {random_figures['median_ms']:.2f} ms (cold LRU)")
+    print(
+        f"  ceiling for a verified read on {cores} cores (copy + hash, perfectly parallel): "
+        f"ratio {min(ceiling, 1.0):.2f}"
+    )
+    print(
+        f"  random 4 KiB: chunks touched {random_figures['chunks_touched']}, "
+        f"median {random_figures['median_ms']:.2f} ms (cold LRU)"
+    )
     return result
 
 

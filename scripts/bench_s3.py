@@ -61,7 +61,9 @@ def make_state(size_gb: float, seed: int = 0) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for i in range(max(1, round(size_gb * GiB / per_layer))):
         for name in ("q", "k", "v", "o"):
-            state[f"layers.{i}.attn.{name}.weight"] = torch.randn(hidden, hidden, generator=generator)
+            state[f"layers.{i}.attn.{name}.weight"] = torch.randn(
+                hidden, hidden, generator=generator
+            )
         state[f"layers.{i}.mlp.up.weight"] = torch.randn(4 * hidden, hidden, generator=generator)
         state[f"layers.{i}.mlp.down.weight"] = torch.randn(hidden, 4 * hidden, generator=generator)
     return state
@@ -207,7 +209,9 @@ def _measure(server: SeaweedServer, root: Path, size_gb: float, repeat: int) -> 
         "MiB_per_s": {name: mbps(name) for name in rounds[0]},
         "push_ratio": round(best("boto3_upload") / best("cas_push"), 3),
         "pull_ratio": round(best("boto3_download") / best("cas_pull"), 3),
-        "median_load": statistics.median(v for row in rounds for m in row.values() for v in m["load"]),
+        "median_load": statistics.median(
+            v for row in rounds for m in row.values() for v in m["load"]
+        ),
     }
     print(
         f"{nbytes / GiB:.2f} GiB: push {result['MiB_per_s']['cas_push']} MiB/s vs boto3 "

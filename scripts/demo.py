@@ -92,7 +92,9 @@ def main() -> None:
             }
             ref = f"{run}/phase1/ckpt_phase1_step{step:08d}"
             t0 = time.perf_counter()
-            repo.save(state, ref, metadata={"step": step, "phase": 1, "metrics": {"loss": loss.item()}})
+            repo.save(
+                state, ref, metadata={"step": step, "phase": 1, "metrics": {"loss": loss.item()}}
+            )
             repo.cp(ref, f"{run}/latest")
             if loss.item() < best:
                 best = loss.item()
@@ -110,7 +112,10 @@ def main() -> None:
     restored = repo.load(f"{run}/latest")
     fresh = TinyLM(len(chars))
     fresh.load_state_dict(restored["model"], strict=True)
-    same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
 
     run_chunks = {d for r in repo.refs(run) for d in repo.manifest(r.target).chunk_digests()}
     stored = sum(repo.objects.stored_size(d) for d in run_chunks)
@@ -119,9 +124,16 @@ def main() -> None:
         print(f"  {record.target[:12]}  {record.name}")
     print(f"\nreloaded latest: step {restored['step']}, weights bit-identical: {same}")
     print(f"checkpoints as files would take {human_bytes(saved_bytes)}")
-    print(f"this run's chunks in the store:  {human_bytes(stored)} ({stored / saved_bytes:.0%} of that)")
+    print(
+        f"this run's chunks in the store:  {human_bytes(stored)} ({stored / saved_bytes:.0%} of that)"
+    )
     print(f"time in save: {save_seconds:.2f} s for {args.steps // args.every} checkpoints")
-    summary = {"run": run, "logical_bytes": saved_bytes, "stored_bytes": stored, "bit_identical": same}
+    summary = {
+        "run": run,
+        "logical_bytes": saved_bytes,
+        "stored_bytes": stored,
+        "bit_identical": same,
+    }
     Path(args.store, "demo-summary.json").write_text(json.dumps(summary, indent=2))
 
 

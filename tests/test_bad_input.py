@@ -215,8 +215,11 @@ def test_init_never_ignores_options_silently(tmp_path: Path) -> None:
 def test_json_output_stays_json_with_non_finite_metadata(tmp_path: Path) -> None:
     store, src = tmp_path / "store", tmp_path / "f.txt"
     src.write_text("hi")
-    assert run_cli(store, "put", str(src), "r", "-m", "loss=NaN", "-m", "source=dir").returncode == 0
+    assert (
+        run_cli(store, "put", str(src), "r", "-m", "loss=NaN", "-m", "source=dir").returncode == 0
+    )
     cas.open(store).save({"w": torch.ones(1)}, "py", metadata={"loss": float("inf")})
+
     def strict(text: str) -> Any:  # json.loads itself accepts bare NaN and Infinity
         def refuse(token: str) -> None:
             raise ValueError(f"not JSON: {token}")

@@ -391,9 +391,14 @@ def test_ingested_safetensors_files_delta_against_the_parent_file(tmp_path: Path
 def test_the_cli_takes_a_parent_and_shows_stored_bytes(tmp_path: Path) -> None:
     store = str(tmp_path / "s")
     runner = CliRunner()
-    result = runner.invoke(cli, ["--store", store, "init", "--codec", "auto", "--chunk-size", str(CHUNK)])
+    result = runner.invoke(
+        cli, ["--store", store, "init", "--codec", "auto", "--chunk-size", str(CHUNK)]
+    )
     assert result.exit_code == 0 and "codec auto" in result.output, result.output
-    assert runner.invoke(cli, ["--store", str(tmp_path / "x"), "init", "--codec", "nope"]).exit_code == 1
+    assert (
+        runner.invoke(cli, ["--store", str(tmp_path / "x"), "init", "--codec", "nope"]).exit_code
+        == 1
+    )
     states = training_states(2)
     for i, state in enumerate(states):
         path = tmp_path / f"v{i}.safetensors"
@@ -444,7 +449,14 @@ def test_a_hot_raw_copy_and_a_compressed_archive_share_identities(tmp_path: Path
 
 @pytest.mark.parametrize(
     "section",
-    [{"max_depth": -1}, {"max_depth": "8"}, {"depth": 3}, {"min_saving": 1.5}, {"cache_bytes": -1}, []],
+    [
+        {"max_depth": -1},
+        {"max_depth": "8"},
+        {"depth": 3},
+        {"min_saving": 1.5},
+        {"cache_bytes": -1},
+        [],
+    ],
 )
 def test_bad_delta_settings_in_the_store_config_are_refused(tmp_path: Path, section: Any) -> None:
     with pytest.raises(cas.FormatError):
@@ -455,7 +467,9 @@ def test_bad_delta_settings_in_the_store_config_are_refused(tmp_path: Path, sect
 @pytest.mark.s3
 def test_an_s3_archive_stores_deltas_and_keeps_reused_bases(s3_url: str) -> None:
     extra = {"delta": {"max_depth": 4}}
-    repo = cas.open(s3_url, config=StoreConfig(chunk_size=CHUNK, inline_max=256, codec="auto", extra=extra))
+    repo = cas.open(
+        s3_url, config=StoreConfig(chunk_size=CHUNK, inline_max=256, codec="auto", extra=extra)
+    )
     states = training_states(2)
     repo.save(states[0], "runs/a")
     repo.save(states[1], "runs/a")

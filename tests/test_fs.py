@@ -97,7 +97,10 @@ def test_ingested_files_read_back_byte_identical_through_cas_urls(
         assert fs.size(f"runs/r1/checkpoint-500/{name}") == len(original)
         for start in (0, 1, len(original) // 3, max(0, len(original) - 5)):
             end = min(len(original), start + 70_000)
-            assert fs.cat_file(f"cas://runs/r1/checkpoint-500/{name}", start, end) == original[start:end]
+            assert (
+                fs.cat_file(f"cas://runs/r1/checkpoint-500/{name}", start, end)
+                == original[start:end]
+            )
 
 
 def test_a_random_4k_read_touches_one_chunk(
@@ -173,7 +176,11 @@ def test_a_saved_state_shows_one_torch_file_per_top_level_entry(
     repo: cas.Repository, fs: CASFileSystem
 ) -> None:
     state = trained_state()
-    state["tied"] = {"a": state["model"]["0.weight"], "b": state["model"]["0.weight"], "dtype": torch.bfloat16}
+    state["tied"] = {
+        "a": state["model"]["0.weight"],
+        "b": state["model"]["0.weight"],
+        "dtype": torch.bfloat16,
+    }
     repo.save(state, "runs/r3/ckpt")
     loaded = repo.load("runs/r3/ckpt")
     for key in state:
@@ -185,7 +192,9 @@ def test_a_saved_state_shows_one_torch_file_per_top_level_entry(
     assert again == fs.cat_file("runs/r3/ckpt/optimizer.pt")
 
 
-def test_every_dtype_reads_back_through_both_synthesized_views(repo: cas.Repository, fs: CASFileSystem) -> None:
+def test_every_dtype_reads_back_through_both_synthesized_views(
+    repo: cas.Repository, fs: CASFileSystem
+) -> None:
     torch.manual_seed(1)
     base = torch.randn(300, 70)
     model = {
@@ -195,7 +204,10 @@ def test_every_dtype_reads_back_through_both_synthesized_views(repo: cas.Reposit
                       torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64)
     }  # fmt: skip
     model |= {"empty": torch.empty(0, 5), "scalar": torch.tensor(2.5), "transposed": base.t()}
-    repo.save({"model": model, "arrays": {"a": np.arange(6, dtype=np.float32).reshape(2, 3)}}, "dtypes/all")
+    repo.save(
+        {"model": model, "arrays": {"a": np.arange(6, dtype=np.float32).reshape(2, 3)}},
+        "dtypes/all",
+    )
     from_safetensors = load_safetensors(fs.cat_file("dtypes/all/model.safetensors"))
     with fs.open("dtypes/all/model.pt") as f:
         from_torch = torch.load(f, weights_only=True)
@@ -214,7 +226,10 @@ def test_a_torch_view_of_tensors_over_4_gib_uses_zip64_headers() -> None:
         TensorEntry("torch", "uint8", (huge,), huge, chunks),
         TensorEntry("torch", "float32", (2,), 8, (), bytes(8)),
     )
-    tree = {"~": "dict", "items": [["big", {"~": "tensor", "i": 0}], ["small", {"~": "tensor", "i": 1}]]}
+    tree = {
+        "~": "dict",
+        "items": [["big", {"~": "tensor", "i": 0}], ["small", {"~": "tensor", "i": 1}]],
+    }
     view = torch_view(tree, tensors, Digest("ab" * 32))
     assert view is not None and view.size > huge
 
@@ -244,14 +259,18 @@ def test_a_torch_view_of_tensors_over_4_gib_uses_zip64_headers() -> None:
             for extent in view.touched(self.position, end):
                 assert extent.data is not None, "read tensor bytes while parsing zip headers"
                 lo, hi = max(self.position, extent.offset), min(end, extent.offset + extent.size)
-                out[lo - self.position : hi - self.position] = extent.data[lo - extent.offset : hi - extent.offset]
+                out[lo - self.position : hi - self.position] = extent.data[
+                    lo - extent.offset : hi - extent.offset
+                ]
             count = end - self.position
             self.position = end
             return count
 
     members = {i.filename: i for i in zipfile.ZipFile(HeadersOnly()).infolist()}
     assert members["archive/data/0"].file_size == huge
-    assert members["archive/data/1"].header_offset > huge and members["archive/data/1"].file_size == 8
+    assert (
+        members["archive/data/1"].header_offset > huge and members["archive/data/1"].file_size == 8
+    )
 
 
 def test_a_synthesized_file_reads_only_the_chunks_of_the_range(
@@ -283,11 +302,16 @@ def test_a_file_written_through_cas_shares_chunks_with_save_and_put(
     (tmp_path / "model.safetensors").write_bytes(blob)
     repo.put_path(tmp_path / "model.safetensors", "models/m1-put")
     assert repo.manifest("models/m1-put").files["model.safetensors"].chunks == written.chunks
-    assert written.format == "safetensors" and {r.name for r in written.regions} == {"embed.weight", "head.weight"}
+    assert written.format == "safetensors" and {r.name for r in written.regions} == {
+        "embed.weight",
+        "head.weight",
+    }
     repo.save({"embed": tensors["embed.weight"]}, "models/m1-state")
     embed = repo.manifest("models/m1-state").tensors[0].chunks
     assert set(embed) <= set(written.chunks)
-    assert repo.load("models/m1")["model.safetensors"]["embed.weight"].equal(tensors["embed.weight"])
+    assert repo.load("models/m1")["model.safetensors"]["embed.weight"].equal(
+        tensors["embed.weight"]
+    )
 
     before = chunk_files(repo)
     torch.save(tensors, tmp_path / "model.pt")
@@ -320,12 +344,18 @@ def test_sequential_reads_of_any_size_return_the_file_and_fail_on_a_bad_chunk(
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0xFF
     victim.write_bytes(bytes(raw))
-    with CASFileSystem(repo=repo, skip_instance_cache=True).open("seq/f/data.bin") as f, pytest.raises(OSError):
+    with (
+        CASFileSystem(repo=repo, skip_instance_cache=True).open("seq/f/data.bin") as f,
+        pytest.raises(OSError),
+    ):
         while f.read(1 << 20):
             pass
     # Reads that end inside chunks take the chunk's head into the caller's buffer and its tail
     # into the cache; the bad chunk still fails the read rather than reaching either.
-    with CASFileSystem(repo=repo, skip_instance_cache=True).open("seq/f/data.bin") as f, pytest.raises(OSError):
+    with (
+        CASFileSystem(repo=repo, skip_instance_cache=True).open("seq/f/data.bin") as f,
+        pytest.raises(OSError),
+    ):
         buffer = bytearray(100_003)
         while f.readinto(buffer):
             pass
@@ -379,7 +409,9 @@ def test_tensor_names_that_collide_in_a_synthesized_file_are_listed_not_shown_tw
     assert len(document["not_in_safetensors"]) == 1
 
 
-def test_a_write_that_fails_half_way_never_becomes_visible(repo: cas.Repository, fs: CASFileSystem) -> None:
+def test_a_write_that_fails_half_way_never_becomes_visible(
+    repo: cas.Repository, fs: CASFileSystem
+) -> None:
     fs.pipe("ckpts/c3/keep.bin", b"old")
     with pytest.raises(RuntimeError), fs.open("ckpts/c3/keep.bin", "wb") as f:
         f.write(b"new, half written")
@@ -499,7 +531,10 @@ def test_dcp_save_then_load_through_cas_and_a_second_save_writes_no_tensor_chunk
     state = {"model": weights(), "extra": {"steps": torch.arange(10)}}
     with pytest.warns(UserWarning):  # DCP warns that it runs without a process group
         dcp.save(state, checkpoint_id="cas://dcp/step1")
-    assert set(CASFileSystem().ls("dcp/step1", detail=False)) == {"dcp/step1/.metadata", "dcp/step1/__0_0.distcp"}
+    assert set(CASFileSystem().ls("dcp/step1", detail=False)) == {
+        "dcp/step1/.metadata",
+        "dcp/step1/__0_0.distcp",
+    }
 
     target = {
         "model": {k: torch.zeros_like(v) for k, v in weights().items()},
@@ -521,7 +556,9 @@ def test_dcp_save_then_load_through_cas_and_a_second_save_writes_no_tensor_chunk
     assert len(new) <= 1
 
 
-def test_lightning_model_checkpoint_writes_into_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lightning_model_checkpoint_writes_into_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pl = pytest.importorskip("lightning.pytorch")
     monkeypatch.setenv("CAS_STORE", str(tmp_path / "store"))
 
@@ -536,11 +573,18 @@ def test_lightning_model_checkpoint_writes_into_the_store(tmp_path: Path, monkey
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4
+    )
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath="cas://lightning/run1", save_top_k=-1)
     trainer = pl.Trainer(
-        max_epochs=2, callbacks=[checkpoint], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+        max_epochs=2,
+        callbacks=[checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(tmp_path),
     )
     trainer.fit(Tiny(), data)
     fs = CASFileSystem()

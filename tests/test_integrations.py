@@ -99,7 +99,11 @@ def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
     callback = CASCallback(repo, "runs/bert", async_ingest=True)
     extra: dict[str, Any] = {}
     if strategy == "best":
-        extra = {"eval_strategy": "epoch", "metric_for_best_model": "loss", "greater_is_better": False}
+        extra = {
+            "eval_strategy": "epoch",
+            "metric_for_best_model": "loss",
+            "greater_is_better": False,
+        }
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), num_train_epochs=3, save_strategy=strategy,
         save_total_limit=1, per_device_train_batch_size=8, report_to=[], use_cpu=True,

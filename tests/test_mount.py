@@ -25,13 +25,17 @@ REASON = fuse_unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"FUSE unusable here: {REASON}")
 
 
-def _wait_for_mount(mountpoint: Path, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+def _wait_for_mount(
+    mountpoint: Path, process: subprocess.Popen[bytes], timeout: float = 30.0
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.ismount(mountpoint):
             return
         if process.poll() is not None:
-            raise AssertionError(f"cas mount exited: {process.stderr.read().decode() if process.stderr else ''}")
+            raise AssertionError(
+                f"cas mount exited: {process.stderr.read().decode() if process.stderr else ''}"
+            )
         time.sleep(0.05)
     raise AssertionError("cas mount did not come up")
 
@@ -53,8 +57,18 @@ def mounted(tmp_path: Path) -> Iterator[tuple[cas.Repository, Path, Path]]:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     process = subprocess.Popen(
-        [sys.executable, "-c", "from cas.cli import main; main()", "--store", str(store), "mount", "runs/r1", str(mnt)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-c",
+            "from cas.cli import main; main()",
+            "--store",
+            str(store),
+            "mount",
+            "runs/r1",
+            str(mnt),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         _wait_for_mount(mnt, process)
@@ -68,12 +82,20 @@ def mounted(tmp_path: Path) -> Iterator[tuple[cas.Repository, Path, Path]]:
         repo.close()
 
 
-def test_sha256sum_reads_ingested_files_byte_identical(mounted: tuple[cas.Repository, Path, Path]) -> None:
+def test_sha256sum_reads_ingested_files_byte_identical(
+    mounted: tuple[cas.Repository, Path, Path],
+) -> None:
     _, ckpt, mnt = mounted
     assert sorted(os.listdir(mnt)) == ["checkpoint-500", "state-3"]
-    assert sorted(os.listdir(mnt / "checkpoint-500")) == ["data.bin", "model.safetensors", "optimizer.pt"]
+    assert sorted(os.listdir(mnt / "checkpoint-500")) == [
+        "data.bin",
+        "model.safetensors",
+        "optimizer.pt",
+    ]
     for name in ("model.safetensors", "optimizer.pt", "data.bin"):
-        result = subprocess.run(["sha256sum", str(mnt / "checkpoint-500" / name)], capture_output=True, check=True)
+        result = subprocess.run(
+            ["sha256sum", str(mnt / "checkpoint-500" / name)], capture_output=True, check=True
+        )
         expected = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
         assert result.stdout.decode().split()[0] == expected, name
         assert (mnt / "checkpoint-500" / name).stat().st_size == (ckpt / name).stat().st_size
@@ -81,7 +103,9 @@ def test_sha256sum_reads_ingested_files_byte_identical(mounted: tuple[cas.Reposi
     assert torch.equal(loaded["opt"], torch.load(ckpt / "optimizer.pt", weights_only=True)["opt"])
 
 
-def test_a_saved_state_opens_with_safe_open_and_torch_load_in_place(mounted: tuple[cas.Repository, Path, Path]) -> None:
+def test_a_saved_state_opens_with_safe_open_and_torch_load_in_place(
+    mounted: tuple[cas.Repository, Path, Path],
+) -> None:
     repo, _, mnt = mounted
     state = repo.load("runs/r1/state-3")
     with safe_open(str(mnt / "state-3" / "model.safetensors"), framework="pt") as f:
@@ -100,7 +124,9 @@ def test_the_mount_is_read_only(mounted: tuple[cas.Repository, Path, Path]) -> N
     assert excinfo.value.errno in (errno.EROFS, errno.EACCES)
 
 
-def test_a_corrupted_chunk_is_eio_for_the_reader(mounted: tuple[cas.Repository, Path, Path]) -> None:
+def test_a_corrupted_chunk_is_eio_for_the_reader(
+    mounted: tuple[cas.Repository, Path, Path],
+) -> None:
     repo, _, mnt = mounted
     entry = repo.manifest("runs/r1/checkpoint-500").files["data.bin"]
     victim = local_root(repo) / chunk_key(entry.chunks[-1].digest)

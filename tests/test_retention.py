@@ -463,7 +463,8 @@ def test_a_character_class_in_protect_keeps_its_refs(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"keep_last": 2.5}, {"max_count": float("inf")}, {"keep_within": float("inf")}, {"select": 5}]
+    "bad",
+    [{"keep_last": 2.5}, {"max_count": float("inf")}, {"keep_within": float("inf")}, {"select": 5}],
 )
 def test_a_rule_with_a_value_forget_cannot_use_is_refused_when_made(bad: dict[str, Any]) -> None:
     fields: dict[str, Any] = {"select": "runs/**", **bad}

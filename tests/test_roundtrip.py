@@ -167,7 +167,11 @@ def test_map_location_and_unsupported_values(tmp_path: Path) -> None:
 
 def test_keys_selection_drops_unselected_empty_containers(tmp_path: Path) -> None:
     repo = cas.open(tmp_path / "store")
-    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {}, "param_groups": []}, "empty": {}}
+    state = {
+        "model": {"w": torch.ones(2)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "empty": {},
+    }
     repo.save(state, "t/empty")
     assert set(repo.load("t/empty", keys="model.*")) == {"model"}
     both = repo.load("t/empty", keys=["model.*", "empty"])

@@ -62,10 +62,13 @@ def test_four_processes_save_shards_into_one_bucket_and_the_combined_load_is_the
     cas.open(s3_url)  # create the store once, before the writers race to
 
     reports = _run_processes(
-        save_shard_worker, [(s3_url, _aws_env(), run_id, rank, world_size) for rank in range(world_size)]
+        save_shard_worker,
+        [(s3_url, _aws_env(), run_id, rank, world_size) for rank in range(world_size)],
     )
 
-    assert [(rank, outcome) for rank, outcome, _ in reports] == [(r, "ok") for r in range(world_size)]
+    assert [(rank, outcome) for rank, outcome, _ in reports] == [
+        (r, "ok") for r in range(world_size)
+    ]
     repo = cas.open(s3_url)
     digest = repo.commit_shards("runs/sharded/ckpt_step00000007", run_id, world_size)
     assert repo.resolve("runs/sharded/ckpt_step00000007") == digest

@@ -18,9 +18,13 @@ from cas.objects.streamcut import StreamCutter
 CHUNK, CDC_AVG, INLINE_MAX = 64 << 10, 16 << 10, 256
 
 
-def streamed(data: bytes, seed: int, max_piece: int) -> tuple[list[tuple[int, int, bool]], StreamCutter]:
+def streamed(
+    data: bytes, seed: int, max_piece: int
+) -> tuple[list[tuple[int, int, bool]], StreamCutter]:
     cuts: list[tuple[int, int, bool]] = []
-    cutter = StreamCutter(lambda c, b, r: cuts.append((c.offset, c.size, r is not None)), CHUNK, CDC_AVG, INLINE_MAX)
+    cutter = StreamCutter(
+        lambda c, b, r: cuts.append((c.offset, c.size, r is not None)), CHUNK, CDC_AVG, INLINE_MAX
+    )
     rng, position = random.Random(seed), 0
     while position < len(data):
         step = rng.randint(1, max_piece)
@@ -33,7 +37,10 @@ def streamed(data: bytes, seed: int, max_piece: int) -> tuple[list[tuple[int, in
 def whole_file(path: Path) -> list[tuple[int, int, bool]]:
     data = path.read_bytes()
     regions = [(r.offset, r.nbytes) for r in inspect_file(path).regions if r.nbytes > INLINE_MAX]
-    return [(c.offset, c.size, i is not None) for c, i in layout_cuts(memoryview(data), regions, CHUNK, CDC_AVG)]
+    return [
+        (c.offset, c.size, i is not None)
+        for c, i in layout_cuts(memoryview(data), regions, CHUNK, CDC_AVG)
+    ]
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -75,7 +82,10 @@ def test_concatenated_torch_zips_are_cut_at_every_storage(tmp_path: Path) -> Non
     assert len(cutter.regions) == len(big)
     for region, tensor in zip(cutter.regions, big, strict=True):
         assert region.end is not None
-        assert data[region.start : region.end] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        assert (
+            data[region.start : region.end]
+            == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        )
 
 
 def test_a_truncated_safetensors_stream_still_covers_every_byte() -> None:

@@ -33,7 +33,9 @@ CHUNK = 64 << 10
 def layered_state(layers: int = 20, seed: int = 0, rows: int = 256) -> dict[str, Any]:
     """``layers`` float32 tensors of ``rows`` x 256 (256 KiB each at 256 rows) plus a step."""
     generator = torch.Generator().manual_seed(seed)
-    model = {f"layer{i:02d}.weight": torch.randn(rows, 256, generator=generator) for i in range(layers)}
+    model = {
+        f"layer{i:02d}.weight": torch.randn(rows, 256, generator=generator) for i in range(layers)
+    }
     return {"model": model, "step": seed}
 
 
@@ -56,18 +58,25 @@ def test_push_then_pull_through_s3_is_bit_exact(tmp_path: Path, s3_url: str) -> 
 
     pushed = push(local, remote, ["runs/r1/**"])
 
-    assert [r.name for r in pushed.refs] == ["runs/r1/ckpt_step00000100", "runs/r1/ckpt_step00000200"]
+    assert [r.name for r in pushed.refs] == [
+        "runs/r1/ckpt_step00000100",
+        "runs/r1/ckpt_step00000200",
+    ]
     assert all(r.status == "created" for r in pushed.refs)
     assert [r.name for r in remote.refs()] == [r.name for r in pushed.refs]
     elsewhere = small_chunk_repo(tmp_path / "elsewhere")
     pulled = pull(elsewhere, cas.open(s3_url), ["runs/r1/ckpt_step00000100"])
     assert pulled.bytes_moved == total_tensor_bytes(state)
     assert_bit_exact(elsewhere.load("runs/r1/ckpt_step00000100"), state)
-    assert elsewhere.resolve("runs/r1/ckpt_step00000100") == local.resolve("runs/r1/ckpt_step00000100")
+    assert elsewhere.resolve("runs/r1/ckpt_step00000100") == local.resolve(
+        "runs/r1/ckpt_step00000100"
+    )
 
 
 @pytest.mark.s3
-def test_repushing_an_unchanged_checkpoint_moves_zero_chunk_bytes(tmp_path: Path, s3_url: str) -> None:
+def test_repushing_an_unchanged_checkpoint_moves_zero_chunk_bytes(
+    tmp_path: Path, s3_url: str
+) -> None:
     local = small_chunk_repo(tmp_path / "local")
     state = layered_state(seed=4)
     local.save(state, "runs/r1/latest")
@@ -300,7 +309,9 @@ def test_cli_push_pull_and_archive_report_moved_and_skipped_bytes(
     local.save(grown, "runs/r1/ckpt_step00000200")
 
     def run(*args: str) -> dict[str, Any]:
-        result = runner.invoke(cli, ["--store", str(store), *args, "--json"], catch_exceptions=False)
+        result = runner.invoke(
+            cli, ["--store", str(store), *args, "--json"], catch_exceptions=False
+        )
         assert result.exit_code == 0, result.output
         doc: dict[str, Any] = json.loads(result.output)
         return doc
@@ -328,7 +339,8 @@ def test_cli_push_to_a_missing_bucket_is_one_clear_line(tmp_path: Path, s3_url: 
     store = tmp_path / "local"
     small_chunk_repo(store).save(layered_state(layers=1), "a")
     result = CliRunner().invoke(
-        cli, ["--store", str(store), "push", "a", "--to", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}"]
+        cli,
+        ["--store", str(store), "push", "a", "--to", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}"],
     )
     assert result.exit_code == 1
     assert result.output.startswith("cas: error: BackendError: ")

@@ -218,7 +218,9 @@ class BlobStore(ABC):
             return True
 
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(key_list) or 1))) as pool:
-            return [k for k, ok in zip(key_list, pool.map(touched, key_list), strict=True) if not ok]
+            return [
+                k for k, ok in zip(key_list, pool.map(touched, key_list), strict=True) if not ok
+            ]
 
     @property
     def supports_conditional_writes(self) -> bool:

@@ -129,7 +129,9 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Chunks written through this filesystem (new and reused), summed over every file."""
         self._names: dict[str, tuple[float, list[str]]] = {}
         self._records: dict[str, tuple[float, Digest | None]] = {}
-        self._manifests: OrderedDict[Digest, tuple[Manifest, dict[str, FileView], frozenset[str]]] = OrderedDict()
+        self._manifests: OrderedDict[
+            Digest, tuple[Manifest, dict[str, FileView], frozenset[str]]
+        ] = OrderedDict()
         self._pseudo_dirs: set[str] = set()
         self._lock = threading.Lock()
 
@@ -230,7 +232,9 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def _dir_info(self, path: str, snapshot: _Snapshot | None = None) -> dict[str, Any]:
         info: dict[str, Any] = {"name": path, "size": 0, "type": "directory"}
         if snapshot is not None:
-            info.update(ref=snapshot.ref, manifest=snapshot.digest, created=snapshot.manifest.created_at)
+            info.update(
+                ref=snapshot.ref, manifest=snapshot.digest, created=snapshot.manifest.created_at
+            )
         return info
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -291,7 +295,9 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         except NotFound as e:
             raise CorruptChunkError(f"{e}: the store is missing data this file needs") from e
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
+    ) -> bytes:
         """The file's bytes ``[start, end)`` (negative values count from the end)."""
         _, _, view = self._file(self._strip_protocol(path))
         lo = 0 if start is None else (start if start >= 0 else max(0, view.size + start))
@@ -350,10 +356,11 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def ukey(self, path: str) -> str:
         """Changes when the file's bytes may have changed: its chunk digests."""
         _, _, view = self._file(self._strip_protocol(path))
-        return digest_of_parts([e.digest.encode() if e.digest else e.data or b"" for e in view.extents])
+        return digest_of_parts(
+            [e.digest.encode() if e.digest else e.data or b"" for e in view.extents]
+        )
 
     # -- writing ---------------------------------------------------------------------------------
-
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
         """Write a whole file; ``mode="create"`` fails if it exists (checked at commit)."""
@@ -376,7 +383,14 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
             while block := src.read(self.blocksize):
                 dst.write(block)
 
-    def mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: int | None = None, **kwargs: Any) -> None:
+    def mv(
+        self,
+        path1: Any,
+        path2: Any,
+        recursive: bool = False,
+        maxdepth: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Move; one file within one checkpoint is renamed by a single compare-and-swap."""
         if isinstance(path1, str) and isinstance(path2, str) and not recursive:
             src, dst = self._strip_protocol(path1), self._strip_protocol(path2)

@@ -146,7 +146,14 @@ class ReadOnlyCAS(_Operations):  # type: ignore[misc]
 
     def statfs(self, path: str) -> dict[str, int]:
         """A read-only filesystem with no free space."""
-        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0, "f_bavail": 0, "f_namemax": 255}
+        return {
+            "f_bsize": 4096,
+            "f_frsize": 4096,
+            "f_blocks": 0,
+            "f_bfree": 0,
+            "f_bavail": 0,
+            "f_namemax": 255,
+        }
 
     def _read_only(self, *args: Any) -> None:
         raise self._fail(errno.EROFS)
@@ -155,7 +162,9 @@ class ReadOnlyCAS(_Operations):  # type: ignore[misc]
     symlink = link = utimens = setxattr = removexattr = _read_only
 
 
-def mount_readonly(repo: Repository, root: str, mountpoint: str, *, allow_other: bool = False) -> None:
+def mount_readonly(
+    repo: Repository, root: str, mountpoint: str, *, allow_other: bool = False
+) -> None:
     """Serve ``root`` of the store at ``mountpoint`` until it is unmounted (blocks)."""
     from fuse import FUSE
 

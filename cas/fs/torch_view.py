@@ -61,7 +61,15 @@ class _Tensor:
         for dim in reversed(self.shape):
             stride.append(step)
             step *= max(dim, 1)
-        args: tuple[Any, ...] = (self.storage, 0, self.shape, tuple(reversed(stride)), False, OrderedDict(), self.dtype)
+        args: tuple[Any, ...] = (
+            self.storage,
+            0,
+            self.shape,
+            tuple(reversed(stride)),
+            False,
+            OrderedDict(),
+            self.dtype,
+        )
         return (torch._utils._rebuild_tensor_v3, args)
 
 
@@ -74,7 +82,9 @@ class _Pickler(pickle.Pickler):
 
 def torch_view(node: Any, tensors: tuple[TensorEntry, ...], digest: Digest) -> FileView | None:
     """The ``.pt`` view of one entry of a state tree, or None if it cannot have one."""
-    used = sorted({index for _, index in iter_tensor_paths(node)}, key=lambda i: _first_use(node, i))
+    used = sorted(
+        {index for _, index in iter_tensor_paths(node)}, key=lambda i: _first_use(node, i)
+    )
     if any(tensors[i].kind != "torch" for i in used):
         return None
     storages = {index: _Storage(str(n), tensors[index].nbytes) for n, index in enumerate(used)}
@@ -117,8 +127,23 @@ def _zip_view(records: list[tuple[str, bytes | TensorEntry]]) -> FileView:
         pad = -(offset + fixed) % _ALIGN
         extra = zip64 + struct.pack("<HH", 0x4246, pad) + bytes(pad)  # 'FB' padding, as torch
         sizes = (_U32, _U32) if big else (size, size)
-        local = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if big else 20, 0, 0, 0, _DOS_DATE,
-                            crc, *sizes, len(full), len(extra)) + full + extra
+        local = (
+            struct.pack(
+                "<4sHHHHHIIIHH",
+                b"PK\x03\x04",
+                45 if big else 20,
+                0,
+                0,
+                0,
+                _DOS_DATE,
+                crc,
+                *sizes,
+                len(full),
+                len(extra),
+            )
+            + full
+            + extra
+        )
         extents.append(Extent(offset, len(local), data=local))
         data_start = offset + len(local)
         if isinstance(content, bytes):
@@ -146,10 +171,29 @@ def _central_record(name: bytes, crc: int, size: int, offset: int) -> bytes:
     zip64 = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
     sizes = (_U32, _U32) if size >= _U32 else (size, size)
     version = 45 if fields else 20
-    return struct.pack(
-        "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", version, version, 0, 0, 0, _DOS_DATE, crc, *sizes,
-        len(name), len(zip64), 0, 0, 0, 0, min(offset, _U32),
-    ) + name + zip64
+    return (
+        struct.pack(
+            "<4sHHHHHHIIIHHHHHII",
+            b"PK\x01\x02",
+            version,
+            version,
+            0,
+            0,
+            0,
+            _DOS_DATE,
+            crc,
+            *sizes,
+            len(name),
+            len(zip64),
+            0,
+            0,
+            0,
+            0,
+            min(offset, _U32),
+        )
+        + name
+        + zip64
+    )
 
 
 def _end_records(count: int, directory_offset: int, directory_size: int) -> bytes:
@@ -157,10 +201,29 @@ def _end_records(count: int, directory_offset: int, directory_size: int) -> byte
     out = b""
     if needs64:
         end64_offset = directory_offset + directory_size
-        out += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count,
-                           directory_size, directory_offset)
+        out += struct.pack(
+            "<4sQHHIIQQQQ",
+            b"PK\x06\x06",
+            44,
+            45,
+            45,
+            0,
+            0,
+            count,
+            count,
+            directory_size,
+            directory_offset,
+        )
         out += struct.pack("<4sIQI", b"PK\x06\x07", 0, end64_offset, 1)
-    out += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                       min(directory_size, _U32), min(directory_offset, _U32), 0)
+    out += struct.pack(
+        "<4sHHHHIIH",
+        b"PK\x05\x06",
+        0,
+        0,
+        min(count, 0xFFFF),
+        min(count, 0xFFFF),
+        min(directory_size, _U32),
+        min(directory_offset, _U32),
+        0,
+    )
     return out
-

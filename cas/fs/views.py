@@ -121,7 +121,9 @@ def manifest_views(manifest: Manifest, digest: Digest) -> dict[str, FileView]:
     """Every file a manifest shows, by path relative to its ref."""
     if manifest.kind == "files":
         return {
-            path: FileView(rec.entry.size, tuple(chunk_extents(rec.entry.chunks, 0)), rec.entry.mode, rec)
+            path: FileView(
+                rec.entry.size, tuple(chunk_extents(rec.entry.chunks, 0)), rec.entry.mode, rec
+            )
             for path, rec in file_records(manifest).items()
         }
     return _state_views(manifest, digest)
@@ -210,7 +212,11 @@ def _safetensors_view(members: list[tuple[str, TensorEntry]], digest: Digest) ->
         code = safetensors_dtype(tensor)
         assert code is not None
         shape = _safetensors_shape(tensor, code)
-        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + tensor.nbytes]}
+        header[name] = {
+            "dtype": code,
+            "shape": shape,
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
         offset += tensor.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
@@ -396,7 +402,9 @@ class ViewReader:
             with self._lock:
                 if digest in self._inflight or self.cache.contains(digest):
                     continue
-                self._inflight[digest] = self.repo.io.pool.submit(self._fetch_tracked, digest, extent.size)
+                self._inflight[digest] = self.repo.io.pool.submit(
+                    self._fetch_tracked, digest, extent.size
+                )
 
     def _fetch_tracked(self, digest: Digest, size: int) -> None:
         try:
@@ -517,12 +525,24 @@ class CorruptChunkError(IntegrityError, OSError):
 class CASReadFile(AbstractBufferedFile):  # type: ignore[misc]
     """A file opened for reading: random access, each read touching only the chunks it needs."""
 
-    def __init__(self, fs: CASFileSystem, path: str, view: FileView, info: dict[str, Any],
-                 block_size: int | None) -> None:
+    def __init__(
+        self,
+        fs: CASFileSystem,
+        path: str,
+        view: FileView,
+        info: dict[str, Any],
+        block_size: int | None,
+    ) -> None:
         self.view = view
         self._last_end = -1
-        super().__init__(fs, path, mode="rb", block_size=block_size or fs.blocksize,
-                         cache_type="none", size=view.size)
+        super().__init__(
+            fs,
+            path,
+            mode="rb",
+            block_size=block_size or fs.blocksize,
+            cache_type="none",
+            size=view.size,
+        )
         self.details = info
 
     def _fetch_range(self, start: int, end: int) -> bytes:
@@ -530,7 +550,9 @@ class CASReadFile(AbstractBufferedFile):  # type: ignore[misc]
         if start >= end:
             return b""
         buffer = bytearray(end - start)
-        self.fs._read_view(self.view, start, memoryview(buffer), self._readahead(start, end - start))
+        self.fs._read_view(
+            self.view, start, memoryview(buffer), self._readahead(start, end - start)
+        )
         return bytes(buffer)
 
     def readinto(self, b: Any) -> int:
@@ -538,7 +560,9 @@ class CASReadFile(AbstractBufferedFile):  # type: ignore[misc]
         if self.closed:
             raise ValueError("I/O operation on closed file.")
         out = memoryview(b).cast("B")
-        count: int = self.fs._read_view(self.view, self.loc, out, self._readahead(self.loc, len(out)))
+        count: int = self.fs._read_view(
+            self.view, self.loc, out, self._readahead(self.loc, len(out))
+        )
         self.loc += count
         return count
 

@@ -50,7 +50,9 @@ MAX_REF_RETRIES = 64
 def read_only_state(ref: str) -> PermissionError:
     """The error for writing into a ref that holds a saved state."""
     return PermissionError(
-        errno.EROFS, "this ref holds a state saved by Repository.save; its files are read-only views", ref
+        errno.EROFS,
+        "this ref holds a state saved by Repository.save; its files are read-only views",
+        ref,
     )
 
 
@@ -59,8 +61,11 @@ def _is_under(path: str, root: str) -> bool:
 
 
 def files_manifest(
-    files: dict[str, FileRecord], meta: dict[str, Any], parent: Digest | None,
-    created_at: float, chunk_size: int,
+    files: dict[str, FileRecord],
+    meta: dict[str, Any],
+    parent: Digest | None,
+    created_at: float,
+    chunk_size: int,
 ) -> Manifest:
     """A ``kind="files"`` manifest of ``files``, its tensor table rebuilt in path order."""
     tensors: list[TensorEntry] = []
@@ -73,8 +78,13 @@ def files_manifest(
             tensors.append(tensor)
         entries[path] = replace(record.entry, regions=tuple(regions))
     return Manifest(
-        kind="files", tensors=tuple(tensors), files=entries, meta=meta,
-        created_at=created_at, parent=parent, chunk_size=chunk_size,
+        kind="files",
+        tensors=tuple(tensors),
+        files=entries,
+        meta=meta,
+        created_at=created_at,
+        parent=parent,
+        chunk_size=chunk_size,
     )
 
 
@@ -85,12 +95,20 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
     that expired aborts the commit (invariant 5). A ``with`` block that raises discards the file.
     """
 
-    def __init__(self, fs: CASFileSystem, path: str, mode: str, block_size: int, autocommit: bool) -> None:
-        super().__init__(fs, path, mode=mode, block_size=block_size, autocommit=autocommit, cache_type="none")
+    def __init__(
+        self, fs: CASFileSystem, path: str, mode: str, block_size: int, autocommit: bool
+    ) -> None:
+        super().__init__(
+            fs, path, mode=mode, block_size=block_size, autocommit=autocommit, cache_type="none"
+        )
         self.stats = WriteStats()
         repo = fs.repo
         settings = repo.leases.settings
-        self._lease = WriterLease(repo.blobs, repo.clock, settings, "fs-write").acquire() if settings.enabled else None
+        self._lease = (
+            WriterLease(repo.blobs, repo.clock, settings, "fs-write").acquire()
+            if settings.enabled
+            else None
+        )
         self._writer = ChunkWriter(repo, self.stats)
         self._record: FileRecord | None = None
         self._discarded = False
@@ -158,8 +176,9 @@ class ChunkWriter:
         self.stats = stats
         self.codec = repo.codec()
         self.max_pending = max_pending
-        self.cutter = StreamCutter(self._emit, repo.config.chunk_size, repo.config.cdc_avg_size,
-                                   repo.config.inline_max)
+        self.cutter = StreamCutter(
+            self._emit, repo.config.chunk_size, repo.config.cdc_avg_size, repo.config.inline_max
+        )
         self.pending: list[tuple[Future[ChunkRef], StreamRegion | None]] = []
         self._waited = 0
 
@@ -169,8 +188,12 @@ class ChunkWriter:
             self.cutter.write(data)
 
     def _emit(self, cut: Cut, data: bytes, region: StreamRegion | None) -> None:
-        hints = EncodeHints(elem_size=region.elem_size if region else 1, level=self.repo.config.compression_level)
-        (future,) = self.repo.io.write_cuts(memoryview(data), [Cut(0, cut.size)], self.codec, hints, self.stats)
+        hints = EncodeHints(
+            elem_size=region.elem_size if region else 1, level=self.repo.config.compression_level
+        )
+        (future,) = self.repo.io.write_cuts(
+            memoryview(data), [Cut(0, cut.size)], self.codec, hints, self.stats
+        )
         self.pending.append((future, region))
         while len(self.pending) - self._waited > self.max_pending:
             self.pending[self._waited][0].result()  # bound the bytes held in flight
@@ -223,14 +246,21 @@ def _file_name(rel: str, path: str) -> str:
         return check_relative_path(rel)
     except InvalidName:
         raise OSError(
-            errno.EINVAL, "not a valid file path inside a checkpoint (empty, '.' or '..' "
-            "components, backslashes and control characters are refused)", path,
+            errno.EINVAL,
+            "not a valid file path inside a checkpoint (empty, '.' or '..' "
+            "components, backslashes and control characters are refused)",
+            path,
         ) from None
 
 
 def edit_files(
-    fs: CASFileSystem, ref: str, edit: Callable[[dict[str, FileRecord]], dict[str, FileRecord]], *,
-    create: bool, op: str, message: str,
+    fs: CASFileSystem,
+    ref: str,
+    edit: Callable[[dict[str, FileRecord]], dict[str, FileRecord]],
+    *,
+    create: bool,
+    op: str,
+    message: str,
 ) -> Digest:
     """Change a ref's files by compare-and-swap, re-reading and retrying when another wins."""
     for _ in range(MAX_REF_RETRIES):
@@ -246,12 +276,19 @@ def edit_files(
                 raise read_only_state(ref)
             files, meta = file_records(manifest), manifest.meta
         new_manifest = files_manifest(
-            edit(dict(files)), meta, record.target if record else None,
-            fs.repo.clock(), fs.repo.config.chunk_size,
+            edit(dict(files)),
+            meta,
+            record.target if record else None,
+            fs.repo.clock(),
+            fs.repo.config.chunk_size,
         )
         try:
             digest = fs.repo.commit(
-                new_manifest, ref, expected=record.target if record else None, op=op, message=message
+                new_manifest,
+                ref,
+                expected=record.target if record else None,
+                op=op,
+                message=message,
             )
         except RefConflict:
             fs.invalidate_cache()
@@ -261,7 +298,9 @@ def edit_files(
     raise RefConflict(f"ref {ref!r} kept changing under {MAX_REF_RETRIES} attempts to {op}")
 
 
-def put_record(fs: CASFileSystem, path: str, record: FileRecord, *, exclusive: bool = False) -> None:
+def put_record(
+    fs: CASFileSystem, path: str, record: FileRecord, *, exclusive: bool = False
+) -> None:
     """Make a file visible: add or replace its entry in the owning ref (the commit point)."""
     for _ in range(MAX_REF_RETRIES):
         ref, rel = file_location(fs, path)
@@ -324,7 +363,9 @@ def remove(fs: CASFileSystem, path: Any, recursive: bool, maxdepth: int | None) 
         ref, rel = fs._owner(p)
         assert ref is not None
         files.setdefault(ref, set()).add(rel)
-    whole = {d: fs._target(d) for d in dirs if recursive and maxdepth is None and fs._owner(d) == (d, "")}
+    whole = {
+        d: fs._target(d) for d in dirs if recursive and maxdepth is None and fs._owner(d) == (d, "")
+    }
     for ref, rels in files.items():
         if any(_is_under(ref, w) for w in whole):
             continue

@@ -204,7 +204,11 @@ def decode_state(
             items = [
                 walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])
             ]
-            if select is not None and all(i is missing for i in items) and (items or not select(path)):
+            if (
+                select is not None
+                and all(i is missing for i in items)
+                and (items or not select(path))
+            ):
                 return missing  # nothing selected inside (an empty list only if named itself)
             values = [None if i is missing else i for i in items]
             return tuple(values) if tag == "tuple" else values

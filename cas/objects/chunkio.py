@@ -99,7 +99,9 @@ class ChunkIO:
             return ChunkRef(result.digest, result.size)
 
         per_cut = [hints] * len(cuts) if isinstance(hints, EncodeHints) else list(hints)
-        return [self.pool.submit(put_one, cut, hint) for cut, hint in zip(cuts, per_cut, strict=False)]
+        return [
+            self.pool.submit(put_one, cut, hint) for cut, hint in zip(cuts, per_cut, strict=False)
+        ]
 
     def read_into(
         self, chunks: Sequence[ChunkRef], out: memoryview, progress: Progress | None = None
@@ -123,6 +125,7 @@ class ChunkIO:
         self, chunks: Iterable[ChunkRef], prefetch: int = 16
     ) -> Iterator[bytes | memoryview]:
         """Yield verified chunk bytes in order, fetching up to ``prefetch`` ahead."""
+
         def get_one(digest: Digest) -> bytes | memoryview:
             with self._read_slots:
                 return self.objects.get_chunk(digest)

@@ -166,7 +166,9 @@ class _ZipFinder(_Finder):
         if sig == _ZIP_LOCAL:
             if end - self.pos < _LOCAL_HEADER.size:
                 return None
-            (_, _, flags, method, _, _, _, csize, _, name_len, extra_len) = _LOCAL_HEADER.unpack_from(buf, at)
+            (_, _, flags, method, _, _, _, csize, _, name_len, extra_len) = (
+                _LOCAL_HEADER.unpack_from(buf, at)
+            )
             data_start = self.pos + _LOCAL_HEADER.size + name_len + extra_len
             if end < data_start:
                 return None
@@ -273,8 +275,11 @@ class StreamCutter:
         self._pos = end
 
     def _cut_gap(self, limit: int, complete: bool) -> None:
-        cuts = cdc_cuts(memoryview(self._buf)[self._pos - self._buf_start : limit - self._buf_start],
-                        self._cdc_avg, start=self._pos)
+        cuts = cdc_cuts(
+            memoryview(self._buf)[self._pos - self._buf_start : limit - self._buf_start],
+            self._cdc_avg,
+            start=self._pos,
+        )
         for cut in cuts if complete else cuts[:-1]:
             self._cut(cut.offset, cut.offset + cut.size, None)
 
@@ -285,8 +290,10 @@ class StreamCutter:
             region = regions[0] if regions else None
             if final and region is not None and region.end is not None and region.end > self.size:
                 region.end = max(region.start, self.size)  # a truncated file
-            if region is not None and region.end is not None and (
-                region.end - region.start <= self._inline_max
+            if (
+                region is not None
+                and region.end is not None
+                and (region.end - region.start <= self._inline_max)
             ):
                 regions.popleft()  # small regions stay in the gap, as put_path leaves them
                 continue

@@ -99,7 +99,9 @@ def _store_shard(
         created_at=repo.clock(),
         chunk_size=repo.config.chunk_size,
     )
-    return repo.commit(manifest, ref, op="save-shard", message=f"rank {rank} of {world_size}", stats=stats)
+    return repo.commit(
+        manifest, ref, op="save-shard", message=f"rank {rank} of {world_size}", stats=stats
+    )
 
 
 @dataclass
@@ -134,7 +136,9 @@ def _read_shards(
         manifest = repo.manifest(record.target)
         info = manifest.meta.get("shard", {})
         if info.get("run_id") != run_id or info.get("rank") != rank:
-            raise FormatError(f"{staging_ref(run_id, rank)} does not hold rank {rank} of {run_id!r}")
+            raise FormatError(
+                f"{staging_ref(run_id, rank)} does not hold rank {rank} of {run_id!r}"
+            )
         if info.get("world_size") != world_size:
             raise FormatError(
                 f"rank {rank} of {run_id!r} was saved with world_size {info.get('world_size')}, "

@@ -111,7 +111,9 @@ def verify(
         if present[chunk_key(d)]
         and (level == "full" or (level == "sample" and in_sample(d, sample_start, sample_pct)))
     ]
-    for digest, outcome in zip(to_hash, repo.io.pool.map(lambda d: _rehash(repo, d), to_hash), strict=False):
+    for digest, outcome in zip(
+        to_hash, repo.io.pool.map(lambda d: _rehash(repo, d), to_hash), strict=False
+    ):
         if isinstance(outcome, int):
             report.rehashed_chunks += 1
             report.rehashed_bytes += outcome

@@ -337,7 +337,9 @@ def find_missing(blobs: BlobStore, keys: Sequence[str]) -> tuple[set[str], str]:
         return {k for k, there in present.items() if not there}, "has"
     listed = {prefixes[0]: sample}
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="cas-list") as pool:
-        for prefix, found in zip(prefixes[1:], pool.map(_list_set(blobs), prefixes[1:]), strict=True):
+        for prefix, found in zip(
+            prefixes[1:], pool.map(_list_set(blobs), prefixes[1:]), strict=True
+        ):
             listed[prefix] = found
     return {k for p, ks in by_prefix.items() for k in ks if k not in listed[p]}, "list"
 
@@ -535,7 +537,9 @@ def _move_ref(dst: RefStore, item: _Selected, op: str, source_url: str) -> RefUp
     if item.remote_old == item.target:
         return RefUpdate(item.name, item.remote_old, item.target, "unchanged")
     try:
-        dst.set(item.name, item.target, expected=item.remote_old, op=op, message=f"from {source_url}")
+        dst.set(
+            item.name, item.target, expected=item.remote_old, op=op, message=f"from {source_url}"
+        )
     except RefConflict:
         return RefUpdate(item.name, item.remote_old, item.target, "conflict")
     status = "created" if item.remote_old is None else "updated"
