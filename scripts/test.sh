@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "== ruff"
 .venv/bin/ruff check cas tests scripts
+.venv/bin/ruff format --check -q cas tests scripts
 echo "== mypy --strict"
 .venv/bin/mypy cas
 echo "== pytest"
