@@ -1,5 +1,10 @@
 """Refs: mutable names pointing at manifest digests, changed only by compare-and-swap, with history.
 
+``RefStore.update`` is the one door through which a ref moves: read the record and its version,
+ask the caller's function what the ref should become, write conditionally on that version, and on
+a lost race read again and ask again (dulwich's ``set_if_equals``). ``set`` and ``delete`` are
+written with it, and so is every read-modify-write of a ref elsewhere in cas.
+
 A ref's newest ``INLINE_HISTORY`` events live inside its record, so one compare-and-swap moves the
 target and logs the move. Older events are sealed, ``SEAL_EVENTS`` at a time, into immutable
 history segments (small manifests, docs/format.md) that the record lists by digest. Every update
@@ -14,6 +19,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -26,6 +32,8 @@ from cas.errors import CASError, FormatError, NotFound, PreconditionFailed, RefC
 from cas.model.manifest import Manifest, decode_manifest, encode_manifest
 from cas.names import RefName, parse_ref_name, ref_matches
 from cas.objects.store import ObjectStore
+from cas.refs import segments
+from cas.refs.leases import LeaseManager
 
 REF_FORMAT = "cas-ref"
 REF_VERSION = 1
@@ -45,6 +53,21 @@ REFLOG_MARK = "cas_reflog"
 MAX_REF_BLOB = 16 << 20
 DECODED_REFS = 256
 """How many refs' decoded records a RefStore keeps for reuse."""
+UPDATE_ATTEMPTS = 64
+"""Conditional writes ``RefStore.update`` tries before it gives up with RefConflict."""
+
+
+class RefChange(Enum):
+    """What an update function returns when the ref should not point at a new target."""
+
+    KEEP = "keep"
+    """Leave the ref as it is (absent stays absent); nothing is written."""
+    DELETE = "delete"
+    """Remove the ref (a no-op when it is already absent)."""
+
+
+UpdateFn = Callable[["RefRecord | None"], "Digest | RefChange"]
+"""Given the ref's current record (None: no such ref), the target it should have next."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +107,7 @@ class RefRecord:
     @property
     def depth(self) -> int:
         """How many events the whole history holds."""
-        return len(self.history) + sum(s.count for s in self.sealed)
+        return segments.total(self.history, self.sealed)
 
 
 def ref_key(name: RefName) -> str:
@@ -165,11 +188,22 @@ def _count(value: Any) -> int:
 
 
 class RefStore:
-    """Reads and compare-and-swaps refs on a BlobStore."""
+    """Reads refs and moves them through ``update``, on a BlobStore.
 
-    def __init__(self, blobs: BlobStore, clock: Callable[[], float] = time.time) -> None:
+    ``leases``: the writer leases of this store's writers. A thread that holds one has it
+    checked right before each conditional write, so a writer whose lease expired never moves a
+    ref (invariant 11), whichever code path asked for the move.
+    """
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        clock: Callable[[], float] = time.time,
+        leases: LeaseManager | None = None,
+    ) -> None:
         self.blobs = blobs
         self.clock = clock
+        self.leases = leases
         self.objects = ObjectStore(blobs)
         self._decoded: dict[RefName, RefRecord] = {}
         """The last record read or written per ref, reused while the blob's version is the same:
@@ -212,6 +246,78 @@ class RefStore:
                 found.append(name)
         yield from sorted(found)
 
+    def update(
+        self,
+        name: str,
+        fn: UpdateFn,
+        *,
+        op: str,
+        message: str = "",
+        attempts: int = UPDATE_ATTEMPTS,
+    ) -> RefRecord | None:
+        """Move ``name`` to what ``fn`` decides, by compare-and-swap; the one way a ref changes.
+
+        ``fn(current)`` gets the record as just read (None when there is no such ref) and returns
+        the new target digest, ``RefChange.DELETE`` or ``RefChange.KEEP``; it may raise to abort,
+        and the exception reaches the caller unchanged. The write is conditional on the version
+        ``fn`` saw: when another writer got in between, the record is read again and ``fn`` is
+        called again with it, so ``fn`` must be safe to repeat (objects it stores and then
+        abandons are left to GC). After ``attempts`` lost races: RefConflict naming the ref and
+        ``op``. ``op`` and ``message`` are recorded in the ref's history.
+
+        Returns the record as this call left it: the new one, the current one for KEEP, None
+        when the ref is (now) absent.
+        """
+        ref = parse_ref_name(name)
+        if attempts < 1:
+            raise ValueError("a ref update needs at least one attempt")
+        for _ in range(attempts):
+            current = self.try_get(ref)
+            decision = fn(current)
+            if decision is RefChange.KEEP:
+                return current
+            try:
+                if decision is RefChange.DELETE:
+                    if current is not None:
+                        self._delete_record(current)
+                    return None
+                return self._write_record(self._moved(ref, current, decision, op, message), current)
+            except (PreconditionFailed, NotFound):
+                continue  # another writer got in between: decide again on its record
+        raise RefConflict(
+            f"ref {ref!r} kept changing: {op} lost the compare-and-swap to other writers "
+            f"{attempts} times, gave up"
+        )
+
+    def _moved(
+        self, ref: RefName, current: RefRecord | None, target: Digest, op: str, message: str
+    ) -> RefRecord:
+        """The record after pointing ``ref`` at ``target``, its history extended (and sealed)."""
+        event = RefEvent(parse_digest(target), self.clock(), op, message)
+        if current is None:
+            return RefRecord(ref, event.target, (event,))
+        record = replace(current, target=event.target, history=(*current.history, event))
+        if len(record.history) > INLINE_HISTORY:
+            record = self._seal(record)
+        return record
+
+    def _fence(self) -> None:
+        if self.leases is not None:
+            self.leases.check()  # a writer whose lease expired must not publish (invariant 5)
+
+    def _write_record(self, record: RefRecord, current: RefRecord | None) -> RefRecord:
+        self._fence()
+        version = self.blobs.put_conditional(
+            ref_key(record.name), encode_ref(record), current.version if current else None
+        )
+        return self._remember(replace(record, version=version))
+
+    def _delete_record(self, current: RefRecord) -> None:
+        self._fence()
+        assert current.version is not None
+        self.blobs.delete_conditional(ref_key(current.name), current.version)
+        self._decoded.pop(current.name, None)
+
     def set(
         self,
         name: str,
@@ -221,38 +327,28 @@ class RefStore:
         op: str = "set",
         message: str = "",
     ) -> RefRecord:
-        """Point ``name`` at ``target`` by compare-and-swap.
+        """Point ``name`` at ``target`` through ``update``.
 
         ``expected`` is the target the caller believes is current (``None``: the ref must not
-        exist). Left out, the write still cannot lose a concurrent update: it compares against
-        the version it just read and raises RefConflict if another writer got in between.
+        exist); if the ref holds something else, RefConflict, and nothing is written. Left out,
+        the ref moves whatever it points at; a concurrent update is still never lost: it stays
+        in the ref's history, because the write is conditional on the record just read.
         """
         ref = parse_ref_name(name)
-        current = self.try_get(ref)
-        if expected is not ...:
-            found = current.target if current else None
-            if found != expected:
-                raise RefConflict(
-                    f"ref {ref!r} moved: expected {_short(expected)}, found {_short(found)}"
-                    f"; the new manifest {target} is stored, retry or point a ref at it"
-                )
-        event = RefEvent(target, self.clock(), op, message)
-        if current is None:
-            record = RefRecord(ref, target, (event,))
-        else:
-            record = replace(current, target=target, history=(*current.history, event))
-            if len(record.history) > INLINE_HISTORY:
-                record = self._seal(record)
-        try:
-            version = self.blobs.put_conditional(
-                ref_key(ref), encode_ref(record), current.version if current else None
-            )
-        except PreconditionFailed as e:
-            raise RefConflict(
-                f"ref {ref!r} was changed by another writer; the new manifest {target} is "
-                "stored, retry or point a ref at it"
-            ) from e
-        return self._remember(replace(record, version=version))
+
+        def point(current: RefRecord | None) -> Digest:
+            if expected is not ...:
+                found = current.target if current else None
+                if found != expected:
+                    raise RefConflict(
+                        f"ref {ref!r} moved: expected {_short(expected)}, found {_short(found)}"
+                        f"; the new manifest {target} is stored, retry or point a ref at it"
+                    )
+            return target
+
+        record = self.update(ref, point, op=op, message=message)
+        assert record is not None
+        return record
 
     def _seal(self, record: RefRecord) -> RefRecord:
         """Move the oldest inline events into sealed segments, made durable before the record
@@ -291,27 +387,20 @@ class RefStore:
             events = _unpack_events(meta["events"])
         except Exception as e:
             raise FormatError(f"{where} is corrupt: {e}") from e
-        if len(events) != sealed.count:
-            raise FormatError(f"{where} holds {len(events)} events, the record says {sealed.count}")
-        return events
+        return tuple(segments.check_count(events, sealed, where))
 
     def events(self, record: RefRecord) -> Iterator[RefEvent]:
         """The ref's whole history, newest first; sealed segments are read as the walk gets there."""
-        yield from reversed(record.history)
-        for sealed in reversed(record.sealed):
-            yield from reversed(self.segment(record, sealed))
+        return segments.newest_first(
+            record.history, record.sealed, lambda sealed: self.segment(record, sealed)
+        )
 
     def event(self, record: RefRecord, steps: int) -> RefEvent | None:
         """The event ``steps`` back from the current one (0: current), reading one segment at most;
         None beyond the oldest kept."""
-        if steps < len(record.history):
-            return record.history[-1 - steps]
-        steps -= len(record.history)
-        for sealed in reversed(record.sealed):
-            if steps < sealed.count:
-                return self.segment(record, sealed)[-1 - steps]
-            steps -= sealed.count
-        return None
+        return segments.steps_back(
+            record.history, record.sealed, lambda sealed: self.segment(record, sealed), steps
+        )
 
     def superseded_since(
         self, record: RefRecord, now: float, since: float
@@ -336,21 +425,26 @@ class RefStore:
     def delete(
         self, name: str, *, expected: Digest | None = None, changed_at: float | None = None
     ) -> RefRecord:
-        """Remove a ref by compare-and-swap; return the record that was removed.
+        """Remove a ref through ``update``; return the record that was removed.
 
+        NotFound if there is no such ref. ``expected``: RefConflict unless the ref points there.
         ``changed_at``: also refuse if the ref was set since that time, even to the same target.
         """
-        current = self.get(name)
-        if expected is not None and current.target != expected:
-            raise RefConflict(f"ref {name!r} moved: expected {_short(expected)}")
-        if changed_at is not None and current.history and current.history[-1].time != changed_at:
-            raise RefConflict(f"ref {name!r} was set again since {changed_at}")
-        assert current.version is not None
-        try:
-            self.blobs.delete_conditional(ref_key(current.name), current.version)
-        except PreconditionFailed as e:
-            raise RefConflict(f"ref {name!r} was changed by another writer; not deleted") from e
-        return current
+        ref = parse_ref_name(name)
+        removed: list[RefRecord] = []
+
+        def remove(current: RefRecord | None) -> RefChange:
+            if current is None:
+                raise NotFound(f"no ref named {ref!r}")
+            if expected is not None and current.target != expected:
+                raise RefConflict(f"ref {ref!r} moved: expected {_short(expected)}")
+            if changed_at is not None and current.history[-1].time != changed_at:
+                raise RefConflict(f"ref {ref!r} was set again since {changed_at}")
+            removed.append(current)
+            return RefChange.DELETE
+
+        self.update(ref, remove, op="delete")
+        return removed[-1]
 
 
 def _short(target: object) -> str:

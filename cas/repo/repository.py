@@ -84,10 +84,10 @@ class Repository:
         self.config = config
         self.clock = clock
         self.objects = ObjectStore(blobs, max_object_size=max(config.chunk_size, 64 << 20) + 4096)
-        self.refs_store = RefStore(blobs, clock)
+        self.leases = LeaseManager(blobs, clock, LeaseSettings.from_config(config.extra))
+        self.refs_store = RefStore(blobs, clock, self.leases)
         self.io = ChunkIO(self.objects, workers, readers=min(workers, default_readers(blobs)))
         self.last_write: WriteStats = WriteStats()
-        self.leases = LeaseManager(blobs, clock, LeaseSettings.from_config(config.extra))
         self.delta_settings = DeltaSettings.from_config(config.extra)
         self.chunk_cache = ChunkCache(self.delta_settings.cache_bytes)
 
