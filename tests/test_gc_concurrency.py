@@ -18,7 +18,6 @@ import cas
 from cas.errors import LeaseExpired
 from cas.model.manifest import Manifest
 from cas.model.state import encode_state
-from cas.refs.leases import break_lock
 from cas.retention.gc import GCResult, GCSettings, plan_gc
 from cas.retention.sweep import TRASH_DIR
 from cas.retention.verify import verify
@@ -165,7 +164,7 @@ def test_gc_killed_at_random_points_leaves_every_kept_ref_loadable(tmp_path: Pat
         os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
         child.join()
         killed += child.exitcode == -signal.SIGKILL
-        break_lock(repo.blobs)  # what an operator's `cas unlock` does after a crash
+        repo.break_maintenance_lock()  # what an operator's `cas unlock` does after a crash
         fresh = cas.open(tmp_path, create=False)
         for name, seeds in kept.items():
             assert_bit_exact(fresh.load(name), state(*seeds))

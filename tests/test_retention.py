@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cas.cli import cli
 from cas.errors import LockHeld
-from cas.refs.leases import MaintenanceLock
+from cas.refs.maintenance import MaintenanceLock
 from cas.retention.evictions import read_evictions
 from cas.retention.gc import GCSettings, plan_gc
 from cas.retention.policy import Best, RetentionPolicy, Rule, plan_forget

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -176,42 +175,40 @@ def stats(obj: Context, as_json: bool) -> None:
 @pass_ctx
 def leases(obj: Context, as_json: bool) -> None:
     """Writer leases (saves in flight) and the maintenance lock."""
-    import time
-
-    from cas.errors import NotFound
-    from cas.refs.leases import MAINTENANCE_LOCK_KEY, describe_lock, read_leases
-
     repo = obj.open(create=False, readonly=True)
-    now = time.time()
-    rows = [
-        {
-            "writer": r.writer,
-            "host": r.host,
-            "pid": r.pid,
-            "purpose": r.purpose,
-            "started": r.started,
-            "expires": r.expires,
-            "live": r.live(now, repo.leases.settings.margin),
-        }
-        for r in read_leases(repo.blobs, repo.leases.settings.duration)
-    ]
-    lock: tuple[str, float] | None = None
-    with contextlib.suppress(NotFound):
-        lock = describe_lock(repo.blobs.get(MAINTENANCE_LOCK_KEY))
+    now = repo.clock()
+    states = repo.writer_leases(now)
+    lock = repo.maintenance_lock_holder()
     if as_json:
+        rows = [
+            {
+                "writer": s.lease.writer,
+                "host": s.lease.host,
+                "pid": s.lease.pid,
+                "purpose": s.lease.purpose,
+                "started": s.lease.started,
+                "expires": s.lease.expires,
+                "live": s.live,
+            }
+            for s in states
+        ]
         emit_json(
             {
                 "leases": rows,
-                "maintenance_lock": {"holder": lock[0], "expires": lock[1]} if lock else None,
+                "maintenance_lock": (
+                    {"holder": lock.description, "expires": lock.expires} if lock else None
+                ),
             }
         )
         return
-    for record in read_leases(repo.blobs, repo.leases.settings.duration):
-        state = "live" if record.live(now, repo.leases.settings.margin) else "expired"
-        left = record.expires - now
-        click.echo(f"{state:<8} {record.writer}  {record.purpose}  expires in {left:.0f}s")
+    for state in states:
+        left = state.lease.expires - now
+        click.echo(
+            f"{'live' if state.live else 'expired':<8} {state.lease.writer}  "
+            f"{state.lease.purpose}  expires in {left:.0f}s"
+        )
     click.echo(
-        f"maintenance lock: {lock[0]}, expires in {lock[1] - now:.0f}s"
+        f"maintenance lock: {lock.description}, expires in {lock.expires - now:.0f}s"
         if lock
         else "maintenance lock: free"
     )
@@ -222,9 +219,7 @@ def leases(obj: Context, as_json: bool) -> None:
 @pass_ctx
 def unlock(obj: Context, yes: bool) -> None:
     """Break the maintenance lock of a `cas forget`/`cas gc` that died."""
-    from cas.refs.leases import break_lock
-
     if not yes and sys.stdin.isatty():
         click.confirm("Break the maintenance lock (only if no forget/gc is running)?", abort=True)
     repo = obj.open(create=False)
-    click.echo("lock removed" if break_lock(repo.blobs) else "there was no lock")
+    click.echo("lock removed" if repo.break_maintenance_lock() else "there was no lock")

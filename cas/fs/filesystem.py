@@ -152,7 +152,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         cached = self._names.get(first)
         now = self.clock()
         if cached is None or now - cached[0] > self.ref_cache_ttl:
-            cached = (now, list(self.repo.refs_store.names(first)))
+            cached = (now, list(self.repo.ref_names(first)))
             self._names[first] = cached
         return cached[1]
 
@@ -160,7 +160,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         cached = self._records.get(ref)
         now = self.clock()
         if cached is None or now - cached[0] > self.ref_cache_ttl:
-            record = self.repo.refs_store.try_get(ref)
+            record = self.repo.find_ref(ref)
             cached = (now, record.target if record else None)
             self._records[ref] = cached
         return cached[1]

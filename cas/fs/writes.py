@@ -5,8 +5,8 @@ thread pool while the writer goes on (at most ``max_pending`` chunks in flight),
 never held whole in memory. Closing a ``CASWriteFile`` hands its ``FileRecord`` to the filesystem,
 which makes it visible by a compare-and-swap on the owning ref (``put_record``). Every change
 to a checkpoint's files (write, rename, remove) goes through ``edit_files``: read the ref, apply
-the change to its file table, commit the new manifest with the old target as ``expected``, and
-on ``RefConflict`` start over from the ref's new state.
+the change to its file table and store the new manifest, all inside ``Repository.update_ref``,
+which on a lost compare-and-swap starts over from the ref's new state.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from cas.codecs import EncodeHints
 from cas.digest import Digest
-from cas.errors import InvalidName, NotFound, RefConflict
+from cas.errors import InvalidName, NotFound
 from cas.fs.views import FileRecord, file_records
 from cas.model.manifest import (
     ChunkRef,
@@ -31,13 +31,12 @@ from cas.model.manifest import (
     FileRegion,
     Manifest,
     TensorEntry,
-    decode_manifest,
 )
 from cas.names import check_relative_path, parse_ref_name
 from cas.objects.chunking import Cut
 from cas.objects.chunkio import WriteStats, wait_all
 from cas.objects.streamcut import StreamCutter, StreamRegion
-from cas.refs.leases import WriterLease
+from cas.refs.store import RefRecord
 
 if TYPE_CHECKING:
     from cas.fs.filesystem import CASFileSystem
@@ -102,14 +101,8 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
             fs, path, mode=mode, block_size=block_size, autocommit=autocommit, cache_type="none"
         )
         self.stats = WriteStats()
-        repo = fs.repo
-        settings = repo.leases.settings
-        self._lease = (
-            WriterLease(repo.blobs, repo.clock, settings, "fs-write").acquire()
-            if settings.enabled
-            else None
-        )
-        self._writer = ChunkWriter(repo, self.stats)
+        self._lease = fs.repo.writer_lease("fs-write")
+        self._writer = ChunkWriter(fs.repo, self.stats)
         self._record: FileRecord | None = None
         self._discarded = False
 
@@ -262,62 +255,51 @@ def edit_files(
     op: str,
     message: str,
 ) -> Digest:
-    """Change a ref's files by compare-and-swap, re-reading and retrying when another wins."""
-    for _ in range(MAX_REF_RETRIES):
-        record = fs.repo.refs_store.try_get(ref)
-        if record is None:
+    """Change a ref's files by compare-and-swap, re-reading and editing again when another
+    writer wins; ``edit`` may run more than once and may raise to abort."""
+
+    def edited(current: RefRecord | None) -> Digest:
+        if current is None:
             if not create:
                 raise FileNotFoundError(errno.ENOENT, "no such ref", ref)
             files: dict[str, FileRecord] = {}
             meta: dict[str, Any] = {"source": "cas://"}
         else:
-            manifest = decode_manifest(fs.repo.objects.get_manifest(record.target))
+            manifest = fs.repo.manifest(current.target)
             if manifest.kind != "files":
                 raise read_only_state(ref)
             files, meta = file_records(manifest), manifest.meta
         new_manifest = files_manifest(
             edit(dict(files)),
             meta,
-            record.target if record else None,
+            current.target if current else None,
             fs.repo.clock(),
             fs.repo.config.chunk_size,
         )
-        try:
-            digest = fs.repo.commit(
-                new_manifest,
-                ref,
-                expected=record.target if record else None,
-                op=op,
-                message=message,
-            )
-        except RefConflict:
-            fs.invalidate_cache()
-            continue
+        return fs.repo.put_manifest(new_manifest)
+
+    try:
+        record = fs.repo.update_ref(ref, edited, op=op, message=message, attempts=MAX_REF_RETRIES)
+    finally:
         fs.invalidate_cache()
-        return digest
-    raise RefConflict(f"ref {ref!r} kept changing under {MAX_REF_RETRIES} attempts to {op}")
+    assert record is not None
+    return record.target
 
 
 def put_record(
     fs: CASFileSystem, path: str, record: FileRecord, *, exclusive: bool = False
 ) -> None:
     """Make a file visible: add or replace its entry in the owning ref (the commit point)."""
-    for _ in range(MAX_REF_RETRIES):
-        ref, rel = file_location(fs, path)
+    ref, rel = file_location(fs, path)
 
-        def add(files: dict[str, FileRecord], rel: str = rel) -> dict[str, FileRecord]:
-            if exclusive and rel in files:
-                raise FileExistsError(errno.EEXIST, "file exists", path)
-            check_file_fits(files, rel, path)
-            files[rel] = record
-            return files
+    def add(files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        if exclusive and rel in files:
+            raise FileExistsError(errno.EEXIST, "file exists", path)
+        check_file_fits(files, rel, path)
+        files[rel] = record
+        return files
 
-        try:
-            edit_files(fs, ref, add, create=True, op="fs-write", message=rel)
-            return
-        except FileNotFoundError:
-            fs.invalidate_cache()  # the ref vanished between lookup and edit
-    raise RefConflict(f"could not place {path!r}: its checkpoint kept changing")
+    edit_files(fs, ref, add, create=True, op="fs-write", message=rel)
 
 
 def check_file_fits(files: Mapping[str, object], rel: str, path: str) -> None:
@@ -376,7 +358,7 @@ def remove(fs: CASFileSystem, path: Any, recursive: bool, maxdepth: int | None) 
         edit_files(fs, ref, drop, create=False, op="fs-rm", message=" ".join(sorted(rels)))
     for ref in sorted(whole, reverse=True):
         with contextlib.suppress(NotFound):  # a ref written meanwhile is a RefConflict
-            fs.repo.refs_store.delete(ref, expected=whole[ref])
+            fs.repo.rm(ref, expected=whole[ref])
     for d in sorted(dirs, reverse=True):
         if d in whole:
             continue

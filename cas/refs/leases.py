@@ -1,9 +1,10 @@
-"""Writer leases and the maintenance lock: how writers and GC/forget agree on what is in flight.
+"""Writer leases: how writers tell GC what is in flight.
 
 A writer (``Repository.save``, ``put_path``, ``commit``...) holds a *lease* for the length of the
 write: a small JSON blob ``leases/<writer-id>`` saying who holds it (host, pid), when it started
-and when it expires. The writer refreshes it while it makes progress, checks it right before the
-ref compare-and-swap (``LeaseExpired`` aborts the commit) and deletes it afterwards.
+and when it expires. The writer refreshes it while it makes progress, has it checked right before
+each ref compare-and-swap (``RefStore`` does it; ``LeaseExpired`` aborts the commit) and deletes
+it afterwards.
 
 GC reads the leases before it lists anything. A live lease protects every object modified after
 ``lease.started - margin``: everything the writer wrote or reused (``put_chunk`` of an existing
@@ -11,11 +12,8 @@ chunk refreshes its mtime) has an mtime at or after ``started``. A writer whose 
 expired can no longer commit, because the writer stops committing ``margin`` seconds *before*
 expiry and GC treats a lease as live until ``margin`` seconds *after* it; ``margin`` therefore
 covers the clock skew between hosts (and the server's clock for S3 mtimes) plus the time of one
-ref compare-and-swap. See docs/retention.md for the whole protocol.
-
-The maintenance lock (``locks/maintenance``) is the same idea for ``cas forget`` / ``cas gc``:
-a create-only blob with an expiry, so two maintenance runs never interleave and a crashed one
-stops blocking once its lock expires.
+ref compare-and-swap. See docs/retention.md for the whole protocol. The maintenance lock of
+``cas forget`` / ``cas gc`` is the same idea for maintenance runs (``cas.refs.maintenance``).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import os
 import re
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,12 +32,10 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from cas.blobstore.base import BlobStore, Version
-from cas.errors import CASError, FormatError, LeaseExpired, LockHeld, NotFound, PreconditionFailed
+from cas.errors import CASError, FormatError, LeaseExpired, NotFound
 
 LEASES_PREFIX = "leases/"
-MAINTENANCE_LOCK_KEY = "locks/maintenance"
 LEASE_FORMAT = "cas-lease"
-LOCK_FORMAT = "cas-lock"
 LEASE_SECTION = "leases"
 """The ``StoreConfig.extra`` section holding ``LeaseSettings``."""
 MAX_LEASE_BLOB = 64 << 10
@@ -102,12 +97,14 @@ class LeaseRecord:
         return now < self.expires + margin
 
 
-def _writer_id() -> str:
+def writer_id() -> str:
+    """A name for this process's writer, unique across hosts and restarts."""
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
-def _encode(doc: dict[str, Any]) -> bytes:
+def encode_json(doc: dict[str, Any]) -> bytes:
+    """The canonical JSON bytes of a lease or lock document."""
     return json.dumps(doc, sort_keys=True).encode()
 
 
@@ -125,7 +122,7 @@ class WriterLease:
         self.clock = clock
         self.settings = settings
         self.purpose = purpose
-        self.writer_id = _writer_id()
+        self.writer_id = writer_id()
         self.key = LEASES_PREFIX + self.writer_id
         self.started = 0.0
         self.expires = 0.0
@@ -134,7 +131,7 @@ class WriterLease:
         self._lock = threading.Lock()
 
     def _document(self, now: float) -> bytes:
-        return _encode(
+        return encode_json(
             {
                 "format": LEASE_FORMAT,
                 "version": 1,
@@ -216,6 +213,14 @@ class LeaseManager:
         """The lease this thread holds, if any."""
         lease: WriterLease | None = getattr(self._local, "lease", None)
         return lease
+
+    def acquire(self, purpose: str) -> WriterLease | None:
+        """A lease owned by the caller rather than this thread, for writes that outlive one call
+        (a file open for writing); None when leases are disabled. The caller refreshes, checks
+        and releases it."""
+        if not self.settings.enabled:
+            return None
+        return WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
 
     @contextmanager
     def hold(self, purpose: str = "write") -> Iterator[WriterLease | None]:
@@ -324,118 +329,3 @@ def _parse_lease(
             version,
             readable=False,
         )
-
-
-class MaintenanceLock:
-    """The store-wide lock of ``cas forget`` and ``cas gc``: a create-only blob with an expiry.
-
-    A lock whose holder died is taken over once it expired (by compare-and-swap, so two
-    contenders never both win). Long runs call ``refresh`` between phases.
-    """
-
-    def __init__(
-        self,
-        blobs: BlobStore,
-        clock: Callable[[], float] = time.time,
-        *,
-        operation: str = "maintenance",
-        duration: float = 3600.0,
-    ) -> None:
-        self.blobs = blobs
-        self.clock = clock
-        self.operation = operation
-        self.duration = duration
-        self.holder = _writer_id()
-        self._version: Version | None = None
-
-    def _document(self) -> bytes:
-        now = self.clock()
-        return _encode(
-            {
-                "format": LOCK_FORMAT,
-                "version": 1,
-                "holder": self.holder,
-                "operation": self.operation,
-                "acquired": now,
-                "expires": now + self.duration,
-            }
-        )
-
-    def acquire(self) -> MaintenanceLock:
-        """Take the lock or raise LockHeld naming who holds it and until when."""
-        try:
-            self._version = self.blobs.put_conditional(MAINTENANCE_LOCK_KEY, self._document(), None)
-            return self
-        except PreconditionFailed:
-            pass
-        try:
-            data, version = self.blobs.get_versioned(MAINTENANCE_LOCK_KEY)
-        except NotFound:
-            data, version = b"", None
-        holder = describe_lock(data)
-        if version is not None and holder is not None and self.clock() < holder[1]:
-            raise LockHeld(
-                f"{holder[0]} holds the store's maintenance lock until "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(holder[1]))} UTC; "
-                "try again later (or `cas unlock` if that process is gone)"
-            )
-        try:
-            self._version = self.blobs.put_conditional(
-                MAINTENANCE_LOCK_KEY, self._document(), version
-            )
-        except PreconditionFailed as e:
-            raise LockHeld("another maintenance run took the store's lock just now") from e
-        return self
-
-    def refresh(self) -> None:
-        """Extend the lock; LockHeld if someone took it over (it had expired)."""
-        try:
-            self._version = self.blobs.put_conditional(
-                MAINTENANCE_LOCK_KEY, self._document(), self._version
-            )
-        except (PreconditionFailed, NotFound) as e:
-            raise LockHeld("the maintenance lock expired and was taken over; stopping") from e
-
-    def release(self) -> None:
-        """Remove the lock if it is still ours."""
-        if self._version is None:
-            return
-        # If it was taken over after expiring, it is someone else's now: leave it.
-        with contextlib.suppress(PreconditionFailed, NotFound):
-            self.blobs.delete_conditional(MAINTENANCE_LOCK_KEY, self._version)
-        self._version = None
-
-    def __enter__(self) -> MaintenanceLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def describe_lock(data: bytes) -> tuple[str, float] | None:
-    """``(description, expires)`` of a lock blob, or None when it is unreadable."""
-    try:
-        doc = json.loads(data)
-        who = f"{doc.get('operation', '?')} by {doc['holder']}"
-        return who, float(doc["expires"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def break_lock(blobs: BlobStore) -> bool:
-    """Remove the maintenance lock whoever holds it; True if there was one."""
-    existed = blobs.has(MAINTENANCE_LOCK_KEY)
-    blobs.delete(MAINTENANCE_LOCK_KEY)
-    return existed
-
-
-@contextmanager
-def maintenance(
-    blobs: BlobStore, clock: Callable[[], float], operation: str, enabled: bool = True
-) -> Iterator[MaintenanceLock | None]:
-    """Hold the maintenance lock for the block (``enabled=False``: the caller already holds it)."""
-    if not enabled:
-        yield None
-        return
-    with MaintenanceLock(blobs, clock, operation=operation) as held:
-        yield held

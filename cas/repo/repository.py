@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import mmap
 import os
 import time
@@ -15,14 +14,11 @@ from typing import Any
 import torch
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore
-from cas.codecs import Codec, EncodeHints, codec_by_name
-from cas.digest import Digest, digest_of, parse_digest
-from cas.errors import CASError, FormatError, InvalidName, NotFound
+from cas.codecs import Codec, codec_by_name
+from cas.digest import Digest, digest_of
+from cas.errors import CASError, FormatError, NotFound
 from cas.model.describe import DiffEntry, diff_manifests, tensor_table
 from cas.model.manifest import (
-    ITEMSIZE,
-    FileEntry,
-    FileRegion,
     Manifest,
     TensorEntry,
     check_meta,
@@ -36,9 +32,9 @@ from cas.model.state import (
     iter_tensor_paths,
     tensor_from_bytes,
 )
-from cas.names import RefName, check_relative_path, parse_ref_name
+from cas.names import RefName, parse_ref_name
 from cas.objects.chains import ChunkCache
-from cas.objects.chunking import Cut, fixed_cuts, layout_cuts
+from cas.objects.chunking import fixed_cuts
 from cas.objects.chunkio import ChunkIO, Progress, WriteStats, wait_all
 from cas.objects.encoding import (
     DeltaSettings,
@@ -50,8 +46,10 @@ from cas.objects.encoding import (
 )
 from cas.objects.store import HEADER_SIZE, ObjectStore, chunk_key, manifest_key
 from cas.refs.leases import LeaseManager, LeaseSettings, leased
-from cas.refs.store import RefEvent, RefRecord, RefStore
+from cas.refs.maintenance import MaintenanceService
+from cas.refs.store import RefStore
 from cas.repo.config import StoreConfig
+from cas.repo.refs import RefOperations
 
 _ANY: Any = ...
 
@@ -69,7 +67,7 @@ def default_readers(blobs: BlobStore) -> int:
     return 8
 
 
-class Repository:
+class Repository(RefOperations):
     """A cas store. Write order is always chunks, then manifest, then ref (invariant 1)."""
 
     def __init__(
@@ -85,6 +83,7 @@ class Repository:
         self.clock = clock
         self.objects = ObjectStore(blobs, max_object_size=max(config.chunk_size, 64 << 20) + 4096)
         self.leases = LeaseManager(blobs, clock, LeaseSettings.from_config(config.extra))
+        self.maintenance = MaintenanceService(blobs, clock, self.leases)
         self.refs_store = RefStore(blobs, clock, self.leases)
         self.io = ChunkIO(self.objects, workers, readers=min(workers, default_readers(blobs)))
         self.last_write: WriteStats = WriteStats()
@@ -241,6 +240,18 @@ class Repository:
         return entries
 
     @leased
+    def put_manifest(self, manifest: Manifest) -> Digest:
+        """Make the chunks written so far durable, then store ``manifest``; return its digest.
+
+        No ref moves: for update functions passed to ``update_ref``, which return the digest.
+        """
+        self.leases.check()
+        self.blobs.sync()
+        digest = self.objects.put_manifest(encode_manifest(manifest), codec_by_name("zstd"))
+        self.blobs.sync()
+        return digest
+
+    @leased
     def commit(
         self,
         manifest: Manifest,
@@ -251,12 +262,11 @@ class Repository:
         message: str = "",
         stats: WriteStats | None = None,
     ) -> Digest:
-        """Make chunks durable, store the manifest, then move the ref (invariant 1)."""
-        self.leases.check()
-        self.blobs.sync()
-        digest = self.objects.put_manifest(encode_manifest(manifest), codec_by_name("zstd"))
-        self.blobs.sync()
-        self.leases.check()  # a writer whose lease expired must not publish (invariant 5)
+        """Make chunks durable, store the manifest, then move the ref (invariant 1).
+
+        The ref store checks this thread's lease right before the ref moves (invariant 5).
+        """
+        digest = self.put_manifest(manifest)
         self.refs_store.set(ref, digest, expected=expected, op=op, message=message)
         self.last_write = stats or WriteStats()
         return digest
@@ -291,135 +301,21 @@ class Repository:
         ``parent`` (default: the ref's current target) is the delta base for the tensors inside
         known formats, matched by file and tensor name (or tensor name alone).
         """
-        from cas.formats import inspect_file
-        from cas.formats.hfdir import inspect_directory
+        from cas.repo.ingest import ingest_path
 
-        name = parse_ref_name(ref)
-        source = Path(path)
-        if source.is_dir():
-            layouts = inspect_directory(source, allow_opaque_pickles=allow_opaque_pickles)
-            files = [(rel, source / rel, layout) for rel, layout in layouts]
-            kind = "dir"
-        elif source.is_file():
-            layout = inspect_file(source, allow_opaque_pickles=allow_opaque_pickles)
-            files = [(source.name, source, layout)]
-            kind = "file"
-        else:
-            raise NotFound(f"no such file or directory: {source}")
-        for rel, _, _ in files:  # refuse before any chunk is written
-            try:
-                check_relative_path(rel)
-            except InvalidName:
-                raise FormatError(
-                    f"{source}: cannot store a file named {rel!r} (control characters and "
-                    "backslashes are refused in stored paths)"
-                ) from None
-        stats = WriteStats()
-        tensors: list[TensorEntry] = []
-        entries: dict[str, FileEntry] = {}
-        parent_digest = self._parent_digest(name, parent)
-        writer, parents = self._tensor_writer(codec, stats, progress, parent_digest)
-        for rel, file_path, layout in files:
-            entries[rel] = self._write_file(
-                file_path,
-                layout,
-                self.codec(codec),
-                tensors,
-                stats,
-                progress,
-                (writer, parents, rel),
-            )
-        writer.refresh_bases(tensors)
-        meta = {**check_meta(metadata), "source": kind, "name": source.name}  # ours win
-        manifest = Manifest(
-            kind="files",
-            tensors=tuple(tensors),
-            files=entries,
-            meta=meta,
-            created_at=self.clock(),
-            parent=parent_digest,
-            chunk_size=self.config.chunk_size,
+        return ingest_path(
+            self,
+            path,
+            ref,
+            metadata,
+            allow_opaque_pickles=allow_opaque_pickles,
+            expected=expected,
+            codec=codec,
+            parent=parent,
+            progress=progress,
         )
-        return self.commit(
-            manifest, name, expected=expected, op="put", message=str(source), stats=stats
-        )
-
-    def _write_file(
-        self,
-        path: Path,
-        layout: Any,
-        codec: Codec,
-        tensors: list[TensorEntry],
-        stats: WriteStats,
-        progress: Progress | None,
-        delta: tuple[TensorWriter, dict[str, TensorEntry], str],
-    ) -> FileEntry:
-        writer, parents, rel = delta
-        regions = [r for r in layout.regions if r.nbytes > self.config.inline_max]
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != layout.size:
-                raise FormatError(f"{path} changed while it was being read")
-            mode = os.fstat(f.fileno()).st_mode & 0o777
-            if size == 0:
-                return FileEntry(0, layout.format, (), (), mode)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    cut_list: list[tuple[Cut, int | None]] = list(
-                        layout_cuts(
-                            view,
-                            [(r.offset, r.nbytes) for r in regions],
-                            self.config.chunk_size,
-                            self.config.cdc_avg_size,
-                        )
-                    )
-                    gap_futures = self.io.write_cuts(
-                        view,
-                        [c for c, i in cut_list if i is None],
-                        codec,
-                        EncodeHints(elem_size=1, level=self.config.compression_level),
-                        stats,
-                        self.leases.beat(progress),
-                    )
-                    submitted = []
-                    for index, region in enumerate(regions):
-                        target = TensorTarget(
-                            view,
-                            [c for c, i in cut_list if i == index],
-                            region.dtype,
-                            ITEMSIZE.get(region.dtype, 1),
-                            parents.get(f"{rel}:{region.name}") or parents.get(region.name),
-                        )
-                        submitted.append(writer.submit(target))
-                    wait_all([*gap_futures, *(f for p in submitted for f in p.futures())])
-                finally:
-                    view.release()
-        file_regions = []
-        for region, written in zip(regions, submitted, strict=True):
-            file_regions.append(FileRegion(region.name, len(tensors), region.offset))
-            tensors.append(writer.entry("torch", written, tuple(region.shape)))
-        gaps = iter([f.result() for f in gap_futures])
-        regions_chunks = [iter(tensors[r.tensor_index].chunks) for r in file_regions]
-        chunks = [next(gaps) if i is None else next(regions_chunks[i]) for _, i in cut_list]
-        return FileEntry(size, layout.format, tuple(chunks), tuple(file_regions), mode)
 
     # -- reading -------------------------------------------------------------------------------
-
-    def resolve(self, spec: str) -> Digest:
-        """A ref name, ``name~N`` (N versions back), or a manifest digest -> manifest digest."""
-        if len(spec) == 64 and all(c in "0123456789abcdef" for c in spec):
-            return parse_digest(spec)
-        name, _, back = spec.partition("~")
-        record = self.refs_store.get(name)
-        if not back:
-            return record.target
-        if not back.isdigit():
-            raise InvalidName(f"bad ref spec {spec!r}: use NAME~N with N a number")
-        event = self.refs_store.event(record, int(back))
-        if event is None:
-            raise NotFound(f"ref {name!r} has only {record.depth} versions in its history")
-        return event.target
 
     def manifest(self, spec: str) -> Manifest:
         """The decoded, verified manifest a ref (or digest) names."""
@@ -567,20 +463,7 @@ class Repository:
         state = self.load(ref, progress=progress)
         return export_state(state, Path(dest), fmt or "pt", sha256=sha256, overwrite=overwrite)
 
-    # -- refs ------------------------------------------------------------------------------------
-
-    def refs(self, prefix: str = "") -> list[RefRecord]:
-        """Refs selected by prefix, exact name or glob (``runs/r1/**``), sorted by name."""
-        records = []
-        for name in self.refs_store.names(prefix):
-            record = self.refs_store.try_get(name)
-            if record is not None:
-                records.append(record)
-        return records
-
-    def log(self, ref: str, limit: int | None = None) -> list[RefEvent]:
-        """The ref's history, newest first (the newest ``limit`` events if given)."""
-        return list(itertools.islice(self.refs_store.events(self.refs_store.get(ref)), limit))
+    # -- copying and describing ----------------------------------------------------------------
 
     @leased
     def cp(
@@ -608,12 +491,8 @@ class Repository:
             return self.commit(
                 sub, dst, op="cp", message=message or f"cp {src} --only {' '.join(patterns)}"
             )
-        self.refs_store.set(dst, digest, op="cp", message=message or f"cp {src}")
+        self.set_ref(dst, digest, op="cp", message=message or f"cp {src}")
         return digest
-
-    def rm(self, ref: str) -> Digest:
-        """Delete a ref (its chunks stay until GC finds them unreachable); return its target."""
-        return self.refs_store.delete(ref).target
 
     def show(self, ref: str) -> dict[str, Any]:
         """Metadata and a tensor table from the manifest; no tensor data is read.

@@ -22,7 +22,6 @@ at the moment it deletes it (exactly on local stores, within one round trip else
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from cas.digest import Digest
-from cas.errors import CASError, FormatError, NotFound, PreconditionFailed
+from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import decode_manifest
 from cas.names import parse_ref_name
 from cas.objects.store import chunk_key, manifest_key
-from cas.refs.leases import LeaseRecord, maintenance, read_leases
+from cas.refs.leases import LeaseRecord
 from cas.refs.store import REFS_PREFIX, RefRecord, decode_ref
 from cas.retention.space import CHUNK_KEY_RE, MANIFEST_KEY_RE
 from cas.retention.sweep import Sweeper, sweeper_for
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
     from cas.repo.repository import Repository
 
 GC_SECTION = "gc"
-CLOCK_PROBE_KEY = "state/gc-clock"
 """The ``StoreConfig.extra`` section holding ``GCSettings``."""
 
 
@@ -164,7 +162,7 @@ class GCPlan:
         cutoff (a writer reused it meanwhile) is spared.
         """
         started = time.monotonic()
-        with maintenance(self.repo.blobs, self.repo.clock, "gc", lock) as held:
+        with self.repo.maintenance.lock("gc", enabled=lock) as held:
             sweeper = sweeper_for(self.repo.blobs)
             restored = sweeper.recover()
             tally = _Tally()
@@ -179,11 +177,7 @@ class GCPlan:
             tmp_files, tmp_bytes = sweeper.remove_tmp(self.tmp_files, self.cutoff)
             reaped = 0
             for lease in self.expired_leases:
-                if lease.version is None:
-                    continue
-                with contextlib.suppress(PreconditionFailed, NotFound):
-                    self.repo.blobs.delete_conditional(lease.key, lease.version)
-                    reaped += 1
+                reaped += self.repo.maintenance.reap(lease)
         return GCResult(
             deleted_chunks=tally.counts["chunks/"],
             deleted_chunk_bytes=tally.bytes["chunks/"],
@@ -278,15 +272,15 @@ def plan_gc(
     lock: bool = True,
 ) -> GCPlan:
     """Mark and list; return what a sweep would delete. Deletes nothing; raises if a ref or root
-    manifest cannot be read. ``clock`` overrides ``store_time`` (it must agree with the mtimes).
+    manifest cannot be read. ``clock`` overrides the store's clock (it must agree with the mtimes).
     """
     settings = settings or GCSettings.from_config(repo.config.extra)
     margin = repo.leases.settings.margin
-    with maintenance(repo.blobs, repo.clock, "gc", lock):
+    with repo.maintenance.lock("gc", enabled=lock):
         sweeper = sweeper_for(repo.blobs)
         sweeper.recover()
-        now = clock() if clock is not None else store_time(repo)
-        leases = read_leases(repo.blobs, repo.leases.settings.duration)
+        now = clock() if clock is not None else repo.maintenance.store_time()
+        leases = repo.maintenance.leases()
         live = tuple(lease for lease in leases if lease.live(now, margin))
         expired = tuple(lease for lease in leases if not lease.live(now, margin))
         cutoff = now - settings.grace
@@ -352,21 +346,6 @@ def plan_gc(
         expired_leases=expired,
         repo=repo,
     )
-
-
-def store_time(repo: Repository) -> float:
-    """The current time on the storage's own clock: the mtime of a blob written just now.
-
-    Object mtimes come from that clock (the kernel's coarse clock for local files, the server's
-    for S3), so a cutoff taken from it is exactly comparable: anything a writer touches after
-    this probe has an mtime at or after it, whatever the host clocks say. Falls back to the
-    repository's clock where the store cannot be written.
-    """
-    try:
-        repo.blobs.put(CLOCK_PROBE_KEY, b"gc")
-        return repo.blobs.stat(CLOCK_PROBE_KEY).mtime
-    except CASError:
-        return repo.clock()
 
 
 def _refused(error: CASError, context: str) -> CASError:

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from cas.digest import Digest
 from cas.errors import NotFound, RefConflict
 from cas.names import ref_matches
-from cas.refs.leases import maintenance
 from cas.refs.store import RefRecord
 from cas.retention.evictions import append_evictions
 from cas.retention.space import RefContent, object_sizes, read_contents
@@ -106,7 +105,7 @@ class ForgetPlan:
 
     def execute(self, repo: Repository, *, lock: bool = True) -> ForgetResult:
         """Log evictions, then remove the dropped refs (each only if it still names its manifest)."""
-        with maintenance(repo.blobs, repo.clock, "forget", lock):
+        with repo.maintenance.lock("forget", enabled=lock):
             skipped: list[tuple[str, str]] = []
             still: list[RefDecision] = []
             for d in self.dropped:
@@ -122,9 +121,7 @@ class ForgetPlan:
             for log, record_doc in self.evictions:
                 if record_doc.get("ref") in names:
                     per_log[log].append(record_doc)
-            logged = sum(
-                append_evictions(repo, log, docs, self.now) for log, docs in per_log.items()
-            )
+            logged = sum(append_evictions(repo, log, docs) for log, docs in per_log.items())
             removed = []
             for d in still:
                 try:

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cas.digest import Digest
-from cas.errors import CASError, NotFound, RefConflict
+from cas.errors import CASError, NotFound
+from cas.refs.store import RefChange, RefRecord
 from cas.repo.repository import Repository
 from cas.training import rng as rng_mod
 from cas.training.async_save import AsyncWriter, Stager, StagingSet
@@ -42,7 +43,7 @@ from cas.training.compat import (
     config_hash,
     plain_config,
 )
-from cas.training.history import Record, TrainingHistory, plain_record
+from cas.training.history import HistoryRecord, TrainingHistory, plain_record
 from cas.training.layout import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
 from cas.training.restore import (
     Found,
@@ -135,7 +136,7 @@ class _Prepared:
     phase: int
     trigger: str
     status: str
-    records: list[Record]
+    records: list[HistoryRecord]
     staging: StagingSet | None
     blocking: float = 0.0
 
@@ -182,7 +183,7 @@ class CheckpointManager:
         self.run = run_prefix(run if run is not None else new_run_id(seed, clock))
         self.run_id = self.run.rsplit("/", 1)[-1]
         self.history = TrainingHistory(repo, layout.history.format(run=self.run))
-        self._pending_records: list[Record] = []
+        self._pending_records: list[HistoryRecord] = []
         self._records_lock = threading.Lock()
         self._stager = Stager()
         self._writer: AsyncWriter[SaveResult] | None = None
@@ -231,7 +232,7 @@ class CheckpointManager:
         return self.triggers.stop_requested
 
     def _read_target(self, ref: str) -> Digest | None:
-        record = self.repo.refs_store.try_get(ref)
+        record = self.repo.find_ref(ref)
         return record.target if record else None
 
     def should_save(self, step: int) -> bool:
@@ -384,7 +385,7 @@ class CheckpointManager:
     def _write(self, prepared: _Prepared) -> SaveResult:
         # One writer lease for the checkpoint, the history append and the pointer refs: a lease
         # is a durable file write and delete, and holding one per commit doubled them per save.
-        with self._write_repo.leases.hold("checkpoint"):
+        with self._write_repo.lease("checkpoint"):
             return self._write_leased(prepared)
 
     def _write_leased(self, prepared: _Prepared) -> SaveResult:
@@ -400,7 +401,7 @@ class CheckpointManager:
             with self._records_lock:
                 self._pending_records[:0] = prepared.records[:-1]
             raise
-        self._write_repo.refs_store.set(
+        self._write_repo.set_ref(
             self.latest_ref, digest, expected=self._latest_target, op="save", message=prepared.ref
         )
         self._latest_target = digest
@@ -427,21 +428,19 @@ class CheckpointManager:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             return False
         best_ref = self.layout.best.format(run=self.run, phase=prepared.phase)
-        for _ in range(32):
-            current = self._read_target(best_ref)
+
+        def better_of(current: RefRecord | None) -> Digest | RefChange:
             if current is not None:
-                current_value = self._best_value(current, key)
+                current_value = self._best_value(current.target, key)
                 if current_value is not None and not _better(float(value), current_value, mode):
-                    return False
-            try:
-                self._write_repo.refs_store.set(
-                    best_ref, digest, expected=current, op="best", message=prepared.ref
-                )
-            except RefConflict:
-                continue  # another writer moved best: compare against its choice
-            self._best_cache = (digest, float(value))
-            return True
-        raise RefConflict(f"{best_ref}: too many concurrent updates")
+                    return RefChange.KEEP  # the best so far (perhaps another writer's) stands
+            return digest
+
+        record = self._write_repo.update_ref(best_ref, better_of, op="best", message=prepared.ref)
+        if record is None or record.target != digest:
+            return False
+        self._best_cache = (digest, float(value))
+        return True
 
     def _best_value(self, digest: Digest, key: str) -> float | None:
         if self._best_cache is not None and self._best_cache[0] == digest:
@@ -495,7 +494,7 @@ class CheckpointManager:
         return self._ref_of(self.best_ref)
 
     def _ref_of(self, pointer: str) -> str | None:
-        record = self.repo.refs_store.try_get(pointer)
+        record = self.repo.find_ref(pointer)
         if record is None:
             return None
         return record.history[-1].message or pointer

@@ -1,19 +1,21 @@
 """Opponent pool: versioned inference-only models with ratings, FIFO eviction and seeded sampling.
 
-Hydra's league pool, as refs under one prefix::
+A league's opponent pool, as refs under one prefix::
 
     <prefix>/pool_v<version:04d>_step<step:08d>   one model; its manifest meta "pool" holds
                                                   version, step, phase, mu, sigma, games,
                                                   win_rate, anchor, name, promoted_at
     <prefix>/counter                              the next version, moved by compare-and-swap
-    <prefix>/evictions                            the eviction log (meta "log", append-only)
+    <prefix>/evictions                            the eviction log (an append log, cas.refs.log)
 
 Versions come from the counter ref, claimed by compare-and-swap before the model is named, so they
 are unique across processes and restarts and never reused, even after eviction. Re-rating writes a
 new manifest with the same tensor entries and new meta: no chunk is written. When more than
 ``capacity`` non-anchor models are in the pool the oldest are evicted; their last metadata is
-appended to the eviction log first, so a crash never loses a rating history. Anchors are never
-evicted and never re-rated. ``sample(count, seed)`` is a pure function of the seed and the roster.
+appended to the eviction log first, so a crash never loses a rating history (a model re-rated
+while it was being evicted is logged again; ``evictions`` keeps its last rating, in the place of
+its first). Anchors are never evicted and never re-rated. ``sample(count, seed)`` is a pure
+function of the seed and the roster.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cas.digest import Digest, digest_of
-from cas.errors import CASError, FormatError, NotFound, RefConflict
+from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import Manifest
 from cas.model.subset import subset_manifest
+from cas.refs.log import AppendLog
+from cas.refs.store import RefChange, RefRecord
 
 if TYPE_CHECKING:
     from cas.repo.repository import Repository
 
 ENTRY_RE = re.compile(r"pool_v(\d+)_step(\d+)\Z")
-CAS_RETRIES = 64
+EVICTIONS_KIND = "pool-evictions"
 RATING_FIELDS = ("mu", "sigma", "games", "win_rate")
 
 
@@ -119,6 +123,7 @@ class OpponentPool:
         self.capacity = capacity
         self.clock = clock
         self._manifests: dict[Digest, Manifest] = {}
+        self._eviction_log: AppendLog = repo.append_log(self.eviction_log_ref, EVICTIONS_KIND)
 
     @property
     def counter_ref(self) -> str:
@@ -178,31 +183,33 @@ class OpponentPool:
 
     def next_version(self) -> int:
         """The version the next promotion will get."""
-        return self._read_counter()[1]
+        return self._read_counter(self.repo.find_ref(self.counter_ref))
 
-    def _read_counter(self) -> tuple[Digest | None, int]:
-        record = self.repo.refs_store.try_get(self.counter_ref)
+    def _read_counter(self, record: RefRecord | None = None) -> int:
         stored = 1
         if record is not None:
             stored = int(self._manifest(record.target).meta.get("next_version", 1))
         # The counter is the authority; existing names and the log only guard against a counter
         # that was deleted by hand, so a version is never handed out twice.
         seen = [e.version for e in self.entries()] + [int(v["version"]) for v in self.evictions()]
-        return (record.target if record else None), max([stored, *(v + 1 for v in seen)])
+        return max([stored, *(v + 1 for v in seen)])
 
     def _claim_version(self) -> int:
-        for _ in range(CAS_RETRIES):
-            current, version = self._read_counter()
-            manifest = Manifest(
-                kind="state", tensors=(), tree=None, created_at=self.clock(), parent=current,
-                meta={"cas_pool_counter": 1, "next_version": version + 1},
+        claimed = 0
+
+        def claim(current: RefRecord | None) -> Digest:
+            nonlocal claimed
+            claimed = self._read_counter(current)
+            return self.repo.put_manifest(
+                Manifest(
+                    kind="state", tensors=(), tree=None, created_at=self.clock(),
+                    parent=current.target if current else None,
+                    meta={"cas_pool_counter": 1, "next_version": claimed + 1},
+                )
             )  # fmt: skip
-            try:
-                self.repo.commit(manifest, self.counter_ref, expected=current, op="pool-claim")
-            except RefConflict:
-                continue
-            return version
-        raise RefConflict(f"{self.counter_ref}: too many concurrent promotions")
+
+        self.repo.update_ref(self.counter_ref, claim, op="pool-claim")
+        return claimed
 
     def promote(
         self,
@@ -260,8 +267,14 @@ class OpponentPool:
         """Re-rate one model (``mu``, ``sigma``, ``games``, ``win_rate``, extras) without its weights."""
         if fields.keys() & {"version", "anchor", "step"}:
             raise ValueError("a pool entry's version, step and anchor flag never change")
-        for _ in range(CAS_RETRIES):
-            entry = self.get(version)
+        ref = self.get(version).ref
+        rated: PoolEntry | None = None
+
+        def rerate(current: RefRecord | None) -> Digest:
+            nonlocal rated
+            if current is None:
+                raise NotFound(f"pool {self.prefix} has no version {version} (evicted meanwhile)")
+            entry = self._entry(ref, current.target)
             if entry.anchor:
                 raise FrozenAnchor(
                     f"pool v{version} ({entry.name}) is an anchor; its rating is fixed"
@@ -269,27 +282,31 @@ class OpponentPool:
             meta = entry.meta()
             meta.update(fields)
             old = self._manifest(entry.digest)
-            manifest = replace(
-                old, meta={**old.meta, "pool": meta}, parent=entry.digest, created_at=self.clock()
-            )
-            try:
-                digest = self.repo.commit(
-                    manifest, entry.ref, expected=entry.digest, op="pool-rate"
+            digest = self.repo.put_manifest(
+                replace(
+                    old, meta={**old.meta, "pool": meta}, parent=entry.digest,
+                    created_at=self.clock(),
                 )
-            except RefConflict:
-                continue
-            return _entry_from(entry.ref, digest, meta)
-        raise RefConflict(f"{self.prefix} v{version}: too many concurrent updates")
+            )  # fmt: skip
+            rated = _entry_from(ref, digest, meta)
+            return digest
+
+        self.repo.update_ref(ref, rerate, op="pool-rate")
+        assert rated is not None
+        return rated
 
     def evictions(self) -> list[dict[str, Any]]:
-        """The eviction log: the last metadata of every evicted model, oldest first."""
-        record = self.repo.refs_store.try_get(self.eviction_log_ref)
-        if record is None:
-            return []
-        log = self._manifest(record.target).meta.get("log", [])
-        if not isinstance(log, list):
-            raise FormatError(f"{self.eviction_log_ref} is not an eviction log")
-        return [dict(item) for item in log]
+        """The eviction log: the last metadata of every evicted model, oldest first.
+
+        A model re-rated while it was being evicted was logged twice; it appears once, with its
+        last rating, where it was first logged.
+        """
+        latest: dict[int, dict[str, Any]] = {}
+        for item in self._eviction_log.records():
+            if not isinstance(item, dict) or "version" not in item:
+                raise FormatError(f"{self.eviction_log_ref} holds a record that is not an eviction")
+            latest[int(item["version"])] = dict(item)  # a re-logged version keeps its place
+        return list(latest.values())
 
     def evict(self) -> list[PoolEntry]:
         """Remove the oldest non-anchor models beyond ``capacity``; return what was removed."""
@@ -301,46 +318,31 @@ class OpponentPool:
         return removed
 
     def _evict_one(self, entry: PoolEntry) -> PoolEntry:
-        """Log ``entry`` and delete its ref; re-read and log again if it was re-rated meanwhile."""
-        for _ in range(CAS_RETRIES):
-            self._log_eviction(entry)
-            try:
-                self.repo.refs_store.delete(entry.ref, expected=entry.digest)
-                return entry
-            except NotFound:
-                return entry  # another process evicted it; the log has it once
-            except RefConflict:
-                record = self.repo.refs_store.try_get(entry.ref)
-                if record is None:
-                    return entry
-                entry = self._entry(entry.ref, record.target)  # its latest rating
-        raise RefConflict(f"{entry.ref}: too many concurrent updates while evicting it")
+        """Log ``entry`` and delete its ref; if it was re-rated meanwhile, the delete loses its
+        compare-and-swap and the entry is logged again with its latest rating first."""
+        evicted = entry
+
+        def log_then_remove(current: RefRecord | None) -> RefChange:
+            nonlocal evicted
+            if current is None:
+                return RefChange.KEEP  # another process evicted it; the log has it
+            evicted = self._entry(entry.ref, current.target)
+            self._log_eviction(evicted)
+            return RefChange.DELETE
+
+        self.repo.update_ref(entry.ref, log_then_remove, op="pool-evict")
+        return evicted
 
     def _log_eviction(self, entry: PoolEntry) -> None:
-        for _ in range(CAS_RETRIES):
-            record = self.repo.refs_store.try_get(self.eviction_log_ref)
-            log = self.evictions()
-            same = [i for i, item in enumerate(log) if int(item["version"]) == entry.version]
-            if same and log[same[0]].get("digest") == entry.digest:
-                return
-            # Logged before a re-rate moved it: the log keeps its last metadata, in its place.
-            item = {**entry.meta(), "ref": entry.ref, "digest": entry.digest,
-                    "evicted_at": self.clock()}  # fmt: skip
-            log = [*log[: same[0]], item, *log[same[0] + 1 :]] if same else [*log, item]
-            manifest = Manifest(
-                kind="state", tensors=(), tree=None, created_at=self.clock(),
-                parent=record.target if record else None,
-                meta={"cas_pool_evictions": 1, "log": log},
-            )  # fmt: skip
-            try:
-                self.repo.commit(
-                    manifest, self.eviction_log_ref,
-                    expected=record.target if record else None, op="pool-evict",
-                )  # fmt: skip
-            except RefConflict:
-                continue
-            return
-        raise RefConflict(f"{self.eviction_log_ref}: too many concurrent evictions")
+        item = {**entry.meta(), "ref": entry.ref, "digest": entry.digest,
+                "evicted_at": self.clock()}  # fmt: skip
+        self._eviction_log.append(
+            [item],
+            op="pool-evict",
+            message=entry.ref,
+            unique=lambda logged: (int(logged["version"]), logged.get("digest")),
+            lookback=None,
+        )
 
     def sample(
         self, count: int, seed: int, *, start: int = 0, include_anchors: bool = True

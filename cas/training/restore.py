@@ -72,11 +72,11 @@ def resume_candidates(repo: Repository, latest_ref: str) -> Iterator[tuple[str, 
 
     Lazy: the first good candidate usually ends the walk, so sealed history is seldom read.
     """
-    record = repo.refs_store.try_get(latest_ref)
+    record = repo.find_ref(latest_ref)
     if record is None:
         return
     seen: set[Digest] = set()
-    for event in repo.refs_store.events(record):
+    for event in repo.ref_events(record):
         if event.target not in seen:
             seen.add(event.target)
             yield event.message or latest_ref, event.target

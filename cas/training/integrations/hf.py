@@ -63,7 +63,7 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
 
         def ingest(_: None) -> Digest:
             digest = self.repo.put_path(directory, ref, meta, allow_opaque_pickles=True)
-            self.repo.refs_store.set(f"{prefix}/latest", digest, op="save", message=ref)
+            self.repo.set_ref(f"{prefix}/latest", digest, op="save", message=ref)
             self.stored.append((step, ref, digest))
             return digest
 

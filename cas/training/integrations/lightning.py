@@ -54,7 +54,7 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         meta = {"source": "lightning", "path": os.fspath(path),
                 "epoch": checkpoint.get("epoch"), "step": checkpoint.get("global_step")}  # fmt: skip
         digest = self.repo.save(checkpoint, ref, {k: v for k, v in meta.items() if v is not None})
-        self.repo.refs_store.set(f"{self.prefix}/latest", digest, op="save", message=ref)
+        self.repo.set_ref(f"{self.prefix}/latest", digest, op="save", message=ref)
 
     def load_checkpoint(
         self,

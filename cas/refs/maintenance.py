@@ -1,0 +1,241 @@
+"""The maintenance service: writer leases as GC sees them, the maintenance lock, the store's clock.
+
+``cas forget`` and ``cas gc`` run under the store-wide maintenance lock (``locks/maintenance``):
+a create-only blob with an expiry, so two maintenance runs never interleave and a crashed one
+stops blocking once its lock expires (or an operator breaks it with ``cas unlock``). They read
+the writer leases (``cas.refs.leases``) to learn what is in flight, reap the leases of writers
+that died, and take "now" from the store's own clock, because object mtimes come from it.
+``MaintenanceService`` gathers these for one store, with the clock injected, so the retention
+layer and the CLI never touch the blobs that hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from cas.blobstore.base import BlobStore, Version
+from cas.errors import CASError, LockHeld, NotFound, PreconditionFailed
+from cas.refs.leases import (
+    LeaseManager,
+    LeaseRecord,
+    LeaseSettings,
+    encode_json,
+    read_leases,
+    writer_id,
+)
+
+MAINTENANCE_LOCK_KEY = "locks/maintenance"
+LOCK_FORMAT = "cas-lock"
+LOCK_DURATION = 3600.0
+"""How long a maintenance lock lasts unless refreshed; a dead holder blocks no longer."""
+CLOCK_PROBE_KEY = "state/gc-clock"
+"""The blob written to read the store's clock (its mtime)."""
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds the maintenance lock, as its blob says."""
+
+    operation: str
+    holder: str
+    expires: float
+
+    @property
+    def description(self) -> str:
+        """``"gc by host-123-abcd"``."""
+        return f"{self.operation} by {self.holder}"
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    """A writer lease and whether GC must still honour it."""
+
+    lease: LeaseRecord
+    live: bool
+
+
+def parse_lock(data: bytes) -> LockHolder | None:
+    """The holder a lock blob names, or None when it is unreadable."""
+    try:
+        doc = json.loads(data)
+        return LockHolder(str(doc.get("operation", "?")), str(doc["holder"]), float(doc["expires"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+class MaintenanceLock:
+    """The store-wide lock of ``cas forget`` and ``cas gc``: a create-only blob with an expiry.
+
+    A lock whose holder died is taken over once it expired (by compare-and-swap, so two
+    contenders never both win). Long runs call ``refresh`` between phases.
+    """
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        clock: Callable[[], float] = time.time,
+        *,
+        operation: str = "maintenance",
+        duration: float = LOCK_DURATION,
+    ) -> None:
+        self.blobs = blobs
+        self.clock = clock
+        self.operation = operation
+        self.duration = duration
+        self.holder = writer_id()
+        self._version: Version | None = None
+
+    def _document(self) -> bytes:
+        now = self.clock()
+        return encode_json(
+            {
+                "format": LOCK_FORMAT,
+                "version": 1,
+                "holder": self.holder,
+                "operation": self.operation,
+                "acquired": now,
+                "expires": now + self.duration,
+            }
+        )
+
+    def acquire(self) -> MaintenanceLock:
+        """Take the lock or raise LockHeld naming who holds it and until when."""
+        try:
+            self._version = self.blobs.put_conditional(MAINTENANCE_LOCK_KEY, self._document(), None)
+            return self
+        except PreconditionFailed:
+            pass
+        try:
+            data, version = self.blobs.get_versioned(MAINTENANCE_LOCK_KEY)
+        except NotFound:
+            data, version = b"", None
+        holder = parse_lock(data)
+        if version is not None and holder is not None and self.clock() < holder.expires:
+            raise LockHeld(
+                f"{holder.description} holds the store's maintenance lock until "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(holder.expires))} UTC; "
+                "try again later (or `cas unlock` if that process is gone)"
+            )
+        try:
+            self._version = self.blobs.put_conditional(
+                MAINTENANCE_LOCK_KEY, self._document(), version
+            )
+        except PreconditionFailed as e:
+            raise LockHeld("another maintenance run took the store's lock just now") from e
+        return self
+
+    def refresh(self) -> None:
+        """Extend the lock; LockHeld if someone took it over (it had expired)."""
+        try:
+            self._version = self.blobs.put_conditional(
+                MAINTENANCE_LOCK_KEY, self._document(), self._version
+            )
+        except (PreconditionFailed, NotFound) as e:
+            raise LockHeld("the maintenance lock expired and was taken over; stopping") from e
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours."""
+        if self._version is None:
+            return
+        # If it was taken over after expiring, it is someone else's now: leave it.
+        with contextlib.suppress(PreconditionFailed, NotFound):
+            self.blobs.delete_conditional(MAINTENANCE_LOCK_KEY, self._version)
+        self._version = None
+
+    def __enter__(self) -> MaintenanceLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class MaintenanceService:
+    """Writer leases, the maintenance lock and the store's clock, for one store.
+
+    ``clock`` is the host's clock (injected so tests make time pass); ``store_time`` reads the
+    storage's. ``writers`` are the leases this process's writers hold; their settings say how
+    long a lease lasts and how much clock skew both sides allow.
+    """
+
+    def __init__(self, blobs: BlobStore, clock: Callable[[], float], writers: LeaseManager) -> None:
+        self.blobs = blobs
+        self.clock = clock
+        self.writers = writers
+
+    @property
+    def settings(self) -> LeaseSettings:
+        """The store's lease settings."""
+        return self.writers.settings
+
+    def leases(self) -> list[LeaseRecord]:
+        """Every writer lease in the store; an unreadable one counts as started at its mtime."""
+        return read_leases(self.blobs, self.settings.duration)
+
+    def is_live(self, lease: LeaseRecord, now: float) -> bool:
+        """Whether GC must still honour ``lease`` at ``now`` (until ``margin`` after expiry)."""
+        return lease.live(now, self.settings.margin)
+
+    def lease_states(self, now: float | None = None) -> list[LeaseStatus]:
+        """Every lease with its liveness at ``now`` (default: this host's clock)."""
+        when = self.clock() if now is None else now
+        return [LeaseStatus(lease, self.is_live(lease, when)) for lease in self.leases()]
+
+    def reap(self, lease: LeaseRecord) -> bool:
+        """Delete an expired writer's lease unless it changed since it was read (its writer came
+        back and refreshed it); whether it was deleted."""
+        if lease.version is None:
+            return False
+        try:
+            self.blobs.delete_conditional(lease.key, lease.version)
+        except (PreconditionFailed, NotFound):
+            return False
+        return True
+
+    @contextmanager
+    def lock(
+        self, operation: str, *, enabled: bool = True, duration: float = LOCK_DURATION
+    ) -> Iterator[MaintenanceLock | None]:
+        """Hold the maintenance lock for the block (``enabled=False``: the caller holds it)."""
+        if not enabled:
+            yield None
+            return
+        with MaintenanceLock(
+            self.blobs, self.clock, operation=operation, duration=duration
+        ) as held:
+            yield held
+
+    def lock_holder(self) -> LockHolder | None:
+        """Who holds the maintenance lock (None when it is free or unreadable)."""
+        try:
+            return parse_lock(self.blobs.get(MAINTENANCE_LOCK_KEY))
+        except NotFound:
+            return None
+
+    def break_lock(self) -> bool:
+        """Remove the maintenance lock whoever holds it; True if there was one.
+
+        For an operator whose ``cas forget``/``cas gc`` died: a live run that loses its lock
+        stops at its next ``refresh``.
+        """
+        existed = self.blobs.has(MAINTENANCE_LOCK_KEY)
+        self.blobs.delete(MAINTENANCE_LOCK_KEY)
+        return existed
+
+    def store_time(self) -> float:
+        """The current time on the storage's own clock: the mtime of a blob written just now.
+
+        Object mtimes come from that clock (the kernel's coarse clock for local files, the
+        server's for S3), so a cutoff taken from it is exactly comparable: anything a writer
+        touches after this probe has an mtime at or after it, whatever the host clocks say.
+        Falls back to the injected clock where the store cannot be written.
+        """
+        try:
+            self.blobs.put(CLOCK_PROBE_KEY, b"gc")
+            return self.blobs.stat(CLOCK_PROBE_KEY).mtime
+        except CASError:
+            return self.clock()

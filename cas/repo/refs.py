@@ -1,0 +1,154 @@
+"""The Repository's ref operations: read refs, move them through the one door, logs and leases.
+
+``RefOperations`` is a base class of ``Repository``. The layers above ``cas.repo`` (fs, training,
+cli) read and move refs, append to logs, hold writer leases and inspect the maintenance lock
+through these named methods only, never through the stores behind them, so every ref move is a
+``RefStore.update`` and every one is fenced by the writer's lease.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from cas.digest import Digest, parse_digest
+from cas.errors import InvalidName, NotFound
+from cas.names import RefName
+from cas.refs.leases import LeaseManager, WriterLease, leased
+from cas.refs.log import AppendLog
+from cas.refs.maintenance import LeaseStatus, LockHolder, MaintenanceService
+from cas.refs.store import UPDATE_ATTEMPTS, RefEvent, RefRecord, RefStore, UpdateFn
+
+_ANY: Any = ...
+
+
+class RefOperations:
+    """Refs, append logs, writer leases and the maintenance lock of a Repository."""
+
+    refs_store: RefStore
+    leases: LeaseManager
+    maintenance: MaintenanceService
+    clock: Callable[[], float]
+
+    # -- reading refs --------------------------------------------------------------------------
+
+    def resolve(self, spec: str) -> Digest:
+        """A ref name, ``name~N`` (N versions back), or a manifest digest -> manifest digest."""
+        if len(spec) == 64 and all(c in "0123456789abcdef" for c in spec):
+            return parse_digest(spec)
+        name, _, back = spec.partition("~")
+        record = self.refs_store.get(name)
+        if not back:
+            return record.target
+        if not back.isdigit():
+            raise InvalidName(f"bad ref spec {spec!r}: use NAME~N with N a number")
+        event = self.refs_store.event(record, int(back))
+        if event is None:
+            raise NotFound(f"ref {name!r} has only {record.depth} versions in its history")
+        return event.target
+
+    def find_ref(self, name: str) -> RefRecord | None:
+        """The ref's current record (target, recent history), or None when there is no such ref."""
+        return self.refs_store.try_get(name)
+
+    def ref_names(self, selector: str = "") -> list[RefName]:
+        """Names of the refs a prefix, exact name or glob selects, sorted; no record is read."""
+        return list(self.refs_store.names(selector))
+
+    def refs(self, prefix: str = "") -> list[RefRecord]:
+        """Refs selected by prefix, exact name or glob (``runs/r1/**``), sorted by name."""
+        records = []
+        for name in self.refs_store.names(prefix):
+            record = self.refs_store.try_get(name)
+            if record is not None:
+                records.append(record)
+        return records
+
+    def ref_events(self, ref: str | RefRecord) -> Iterator[RefEvent]:
+        """The ref's whole history, newest first, read lazily (sealed segments only if reached)."""
+        record = ref if isinstance(ref, RefRecord) else self.refs_store.get(ref)
+        return self.refs_store.events(record)
+
+    def log(self, ref: str, limit: int | None = None) -> list[RefEvent]:
+        """The ref's history, newest first (the newest ``limit`` events if given)."""
+        return list(itertools.islice(self.ref_events(ref), limit))
+
+    # -- moving refs ---------------------------------------------------------------------------
+
+    @leased
+    def update_ref(
+        self,
+        name: str,
+        fn: UpdateFn,
+        *,
+        op: str,
+        message: str = "",
+        attempts: int = UPDATE_ATTEMPTS,
+    ) -> RefRecord | None:
+        """Move a ref by compare-and-swap to what ``fn(current record or None)`` returns: a
+        manifest digest, ``RefChange.DELETE`` or ``RefChange.KEEP`` (``cas.refs.store``).
+
+        On a lost race ``fn`` is called again with the winner's record, up to ``attempts``
+        times, then RefConflict. ``fn`` may store manifests (``put_manifest``) and may raise to
+        abort. Runs under a writer lease, checked right before each write, so GC spares what
+        ``fn`` stores and a writer whose lease expired never moves the ref. Returns the record
+        as the update left it (None when the ref is absent).
+        """
+        return self.refs_store.update(name, fn, op=op, message=message, attempts=attempts)
+
+    def set_ref(
+        self,
+        name: str,
+        target: Digest,
+        *,
+        expected: Digest | Any | None = _ANY,
+        op: str = "set",
+        message: str = "",
+    ) -> RefRecord:
+        """Point ``name`` at the stored manifest ``target``; ``expected`` as in ``RefStore.set``.
+
+        For pointers to a manifest this process just wrote (``latest``); to copy what another
+        ref names, use ``cp``, which also keeps its objects safe from a concurrent GC.
+        """
+        return self.refs_store.set(name, target, expected=expected, op=op, message=message)
+
+    def rm(self, ref: str, *, expected: Digest | None = None) -> Digest:
+        """Delete a ref (its chunks stay until GC finds them unreachable); return its target.
+
+        ``expected``: RefConflict unless the ref still points there.
+        """
+        return self.refs_store.delete(ref, expected=expected).target
+
+    # -- append logs ---------------------------------------------------------------------------
+
+    def append_log(self, ref: str, kind: str) -> AppendLog:
+        """The append-only log of ``kind`` under ``ref`` (``cas.refs.log``); read it, or append
+        records by compare-and-swap under a writer lease."""
+        return AppendLog(self.refs_store, ref, kind)
+
+    # -- leases and maintenance ----------------------------------------------------------------
+
+    def lease(self, purpose: str = "write") -> AbstractContextManager[WriterLease | None]:
+        """Hold a writer lease for a block of writes, so GC spares what they store until the
+        block's ref moves (re-entrant; None inside when leases are disabled)."""
+        return self.leases.hold(purpose)
+
+    def writer_lease(self, purpose: str) -> WriterLease | None:
+        """Acquire a writer lease owned by the caller, for writes that outlive one call (a file
+        open for writing); None when the store disables leases. The caller refreshes, checks
+        and releases it."""
+        return self.leases.acquire(purpose)
+
+    def writer_leases(self, now: float | None = None) -> list[LeaseStatus]:
+        """Every writer lease in the store, and whether GC still honours it at ``now``."""
+        return self.maintenance.lease_states(now)
+
+    def maintenance_lock_holder(self) -> LockHolder | None:
+        """Who holds the store's maintenance lock (``cas forget``/``cas gc``), if anyone."""
+        return self.maintenance.lock_holder()
+
+    def break_maintenance_lock(self) -> bool:
+        """Remove the maintenance lock whoever holds it (a dead run's); True if there was one."""
+        return self.maintenance.break_lock()
