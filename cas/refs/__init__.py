@@ -1,1 +1,2 @@
-"""Refs: mutable names moved only by compare-and-swap, their history, and writer leases."""
+"""Refs: mutable names moved only through ``RefStore.update``, their history, append logs, writer
+leases and the maintenance service."""
