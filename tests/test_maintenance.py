@@ -1,0 +1,60 @@
+"""The maintenance service: what an operator sees with `cas leases`, `cas unlock`, and the clocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from cas.blobstore import MemoryBlobStore, ReadOnlyBlobStore
+from cas.cli import cli
+from cas.refs.leases import LeaseManager, LeaseSettings
+from cas.refs.maintenance import MaintenanceService
+from tests.retention_helpers import FakeClock, local_repo
+
+
+def test_an_operator_sees_a_dead_runs_lock_and_a_live_writer_then_breaks_the_lock(
+    tmp_path: Path,
+) -> None:
+    repo = local_repo(tmp_path)
+    store = str(tmp_path)
+    with repo.maintenance.lock("gc", duration=600), repo.lease("save"):
+        shown = CliRunner().invoke(cli, ["--store", store, "leases", "--json"])
+        assert shown.exit_code == 0, shown.output
+        report = json.loads(shown.output)
+        assert report["maintenance_lock"]["holder"].startswith("gc by ")
+        assert [(r["purpose"], r["live"]) for r in report["leases"]] == [("save", True)]
+        # The run is gone as far as the operator knows: break its lock.
+        broken = CliRunner().invoke(cli, ["--store", store, "unlock", "--yes"])
+        assert broken.output == "lock removed\n"
+        assert repo.maintenance_lock_holder() is None
+    assert CliRunner().invoke(cli, ["--store", store, "unlock", "--yes"]).output == (
+        "there was no lock\n"
+    )
+
+
+def test_an_expired_lease_is_reaped_only_if_its_writer_did_not_come_back() -> None:
+    clock = FakeClock(1000.0)
+    blobs = MemoryBlobStore(clock)
+    writers = LeaseManager(blobs, clock, LeaseSettings(duration=600, margin=60))
+    service = MaintenanceService(blobs, clock, writers)
+    lease = writers.acquire("slow writer")
+    assert lease is not None
+    clock.advance(700)
+    (seen,) = service.lease_states()
+    assert not seen.live
+    # The blob changes after GC read it (its writer came back, say): GC must leave it.
+    blobs.put_transient(lease.key, blobs.get(lease.key) + b" ")
+    assert not service.reap(seen.lease) and blobs.has(lease.key)
+    (again,) = service.leases()
+    assert service.reap(again) and not blobs.has(lease.key)
+
+
+def test_the_store_clock_comes_from_the_store_else_the_injected_clock() -> None:
+    store_clock, host_clock = FakeClock(5000.0), FakeClock(1000.0)
+    blobs = MemoryBlobStore(store_clock)
+    writers = LeaseManager(blobs, host_clock, LeaseSettings())
+    assert MaintenanceService(blobs, host_clock, writers).store_time() == 5000.0
+    read_only = ReadOnlyBlobStore(blobs)
+    assert MaintenanceService(read_only, host_clock, writers).store_time() == 1000.0
