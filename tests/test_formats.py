@@ -21,6 +21,7 @@ from cas.errors import FormatError, InvalidName
 from cas.formats import FileLayout, TensorRegion, inspect_file
 from cas.formats.hfdir import inspect_directory
 from cas.formats.writers import VALUES_METADATA_KEY, flatten_state, write_safetensors, write_torch
+from tests.helpers import assert_bit_exact
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -485,8 +486,12 @@ def test_exported_torch_file_round_trips_and_failed_writes_leave_the_old_file(
     path = tmp_path / "out.pt"
     write_torch(state, path)
     loaded = torch.load(path, weights_only=True)
-    assert named_tensors(loaded).keys() == named_tensors(state).keys()
-    assert {r.name for r in inspect_file(path).regions} == set(named_tensors(state))
+    assert_bit_exact(loaded, state)  # every tensor's dtype, shape and bytes; every other value
+    originals = named_tensors(state)
+    regions = inspect_file(path).regions
+    assert {r.name for r in regions} == set(originals)
+    for region in regions:
+        assert region_bytes(path, region) == tensor_bytes(originals[region.name]), region.name
 
     before = path.read_bytes()
     with pytest.raises(FormatError):

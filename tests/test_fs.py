@@ -28,6 +28,7 @@ from cas.fs.torch_view import torch_view
 from cas.model.manifest import ChunkRef, TensorEntry
 from cas.objects.store import chunk_key
 from tests.helpers import assert_bit_exact, chunk_files, local_root, small_chunk_repo, trained_state
+from tests.prerequisites import require_module
 
 CHUNK = 64 << 10
 
@@ -559,7 +560,7 @@ def test_dcp_save_then_load_through_cas_and_a_second_save_writes_no_tensor_chunk
 def test_lightning_model_checkpoint_writes_into_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pl = pytest.importorskip("lightning.pytorch")
+    pl = require_module("lightning.pytorch", "pip install 'cas[lightning]'")
     monkeypatch.setenv("CAS_STORE", str(tmp_path / "store"))
 
     class Tiny(pl.LightningModule):  # type: ignore[misc, name-defined]

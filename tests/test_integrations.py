@@ -15,6 +15,10 @@ import pytest
 import torch
 
 import cas
+from tests.prerequisites import require_module
+
+HF_EXTRA = "pip install 'cas[hf]'"
+LIGHTNING_EXTRA = "pip install 'cas[lightning]'"
 
 
 def chunk_count(repo: cas.Repository) -> int:
@@ -25,8 +29,8 @@ def chunk_count(repo: cas.Repository) -> int:
 
 
 def tiny_bert() -> Any:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    transformers = require_module("transformers", HF_EXTRA)
+    require_module("accelerate", HF_EXTRA)
     config = transformers.BertConfig(
         vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=32, max_position_embeddings=16, num_labels=2,
@@ -77,6 +81,28 @@ def test_hf_trainer_checkpoints_land_in_the_store_byte_identical(
         assert (original / name).read_bytes() == (restored / name).read_bytes(), name
 
 
+def files_under(directory: Path) -> dict[str, bytes]:
+    """Every file below ``directory`` by relative path, with its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def checkpoint_recorder() -> Any:
+    """A TrainerCallback that keeps the bytes of every ``checkpoint-N/`` as the Trainer saves it."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):  # type: ignore[misc,unused-ignore]
+        def __init__(self) -> None:
+            self.files: dict[int, dict[str, bytes]] = {}
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            self.files[state.global_step] = files_under(directory)
+
+    return Recorder()
+
+
 @pytest.mark.parametrize("strategy", ["epoch", "best"])
 def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
@@ -86,7 +112,7 @@ def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
     model = tiny_bert()
     from transformers import Trainer, TrainingArguments
 
-    from cas.training.integrations.hf import CASCallback
+    from cas.training.integrations.hf import CASCallback, restore_checkpoint
 
     repo = cas.open(tmp_path / "store")
     put_path = repo.put_path
@@ -97,6 +123,7 @@ def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
 
     monkeypatch.setattr(repo, "put_path", slow_put_path)
     callback = CASCallback(repo, "runs/bert", async_ingest=True)
+    written = checkpoint_recorder()  # reads each directory before the Trainer rotates it away
     extra: dict[str, Any] = {}
     if strategy == "best":
         extra = {
@@ -110,17 +137,22 @@ def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
         disable_tqdm=True, logging_steps=100, **extra,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
-                      callbacks=[callback])  # fmt: skip
+                      callbacks=[written, callback])  # fmt: skip
     trainer.train()
     stored = [r.name for r in repo.refs("runs/bert") if "ckpt_" in r.name]
+    assert stored == [f"runs/bert/ckpt_step{step:08d}" for step in sorted(written.files)]
     assert len(stored) >= 2 and len(stored) == len(callback.stored)
+    # What was ingested is what the Trainer wrote, byte for byte, though the directories are gone.
+    for step, files in written.files.items():
+        restored = restore_checkpoint(repo, f"runs/bert/ckpt_step{step:08d}", tmp_path / "back")
+        assert files_under(restored) == files, step
 
 
 # -- Lightning ------------------------------------------------------------------------------------
 
 
 def test_lightning_saves_prunes_and_resumes_through_the_store(tmp_path: Path) -> None:
-    L = pytest.importorskip("lightning")
+    L = require_module("lightning", LIGHTNING_EXTRA)
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from cas.training.integrations.lightning import CASCheckpointIO

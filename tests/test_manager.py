@@ -23,6 +23,7 @@ from cas.blobstore import LocalBlobStore
 from cas.errors import NotFound
 from cas.refs.log import TAIL_BYTES
 from cas.repo.config import StoreConfig
+from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.async_save import AsyncSaveError, AsyncWriter
 from cas.training.history import TrainingHistory
 from cas.training.manager import (
@@ -618,11 +619,12 @@ def test_saves_and_resume_work_against_real_s3_with_conditional_refs(s3_url: str
     mgr2.close()
 
 
-def test_hydra_fifo_retention_as_the_policy_spares_best_and_gate(repo: cas.Repository) -> None:
-    retention = pytest.importorskip("cas.retention.policy")
-    policy = retention.RetentionPolicy(
+def test_a_fifo_policy_keeps_the_newest_checkpoints_and_spares_the_best_one_a_gate_copies(
+    repo: cas.Repository,
+) -> None:
+    policy = RetentionPolicy(
         rules=(
-            retention.Rule(
+            Rule(
                 select="runs/*/phase*/ckpt_*", max_count=3,
                 protect_targets_of=("runs/*/phase*/best", "gates/**"),
             ),
@@ -639,9 +641,13 @@ def test_hydra_fifo_retention_as_the_policy_spares_best_and_gate(repo: cas.Repos
                 mgr.wait()
                 mgr.promote_gate("bc_best")
         mgr.wait()
-    kept = sorted(r.name.rsplit("_", 1)[-1] for r in repo.refs("runs/r1/phase1/ckpt_*"))
-    assert "step00000002" in kept and "step00000008" in kept and len(kept) <= 3
+    # Three stay: step 2 (best, and the gate's target) counts towards the three, so only the
+    # two newest of the rest survive the FIFO.
+    kept = [r.name.rsplit("_", 1)[-1] for r in repo.refs("runs/r1/phase1/ckpt_*")]
+    assert kept == ["step00000002", "step00000007", "step00000008"]
     assert repo.resolve("gates/bc_best") == repo.resolve("runs/r1/phase1/best")
+    best_target = repo.resolve("runs/r1/phase1/best")
+    assert best_target == repo.resolve("runs/r1/phase1/ckpt_phase1_step00000002")
     assert repo.load("gates/bc_best", keys="state.model.*")["state"]["model"]
 
 

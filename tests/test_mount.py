@@ -20,9 +20,14 @@ import cas
 from cas.fs.fuse import fuse_unavailable_reason
 from cas.objects.store import chunk_key
 from tests.helpers import local_root, trained_state
+from tests.prerequisites import require
 
-REASON = fuse_unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"FUSE unusable here: {REASON}")
+
+@pytest.fixture(autouse=True)
+def fuse_works() -> None:
+    """Every test here mounts a store."""
+    reason = fuse_unavailable_reason()
+    require(f"FUSE unusable here: {reason}" if reason else None)
 
 
 def _wait_for_mount(

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import cas
-from tests.helpers import assert_bit_exact, small_chunk_repo, trained_state
+from cas.objects.store import chunk_key
+from tests.helpers import assert_bit_exact, local_root, small_chunk_repo, trained_state
 
 ALL_DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -151,6 +152,52 @@ def test_mmap_load_of_local_raw_store(tmp_path: Path) -> None:
     assert_bit_exact(state, back)
     back["w"].add_(1)  # copy-on-write: the stored chunk is untouched
     assert_bit_exact(state, repo.load("t/mm"))
+
+
+def store_files(root: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every file and directory under ``root``: its bytes (None for a directory) and mtime."""
+    return {
+        str(path.relative_to(root)): (
+            None if path.is_dir() else path.read_bytes(),
+            path.stat().st_mtime_ns,
+        )
+        for path in sorted(root.rglob("*"))
+    }
+
+
+def mapped_files() -> set[str]:
+    """Paths of the files this process has mapped into memory (Linux)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split(maxsplit=5)[5].strip() for line in maps if len(line.split()) == 6}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_a_read_only_store_maps_chunks_in_place_and_never_writes(tmp_path: Path) -> None:
+    writer = cas.open(tmp_path / "store")
+    state = {
+        "w": torch.randn(256, 256),
+        "half": torch.randn(64, 64).half(),
+        "small": torch.arange(10),
+        "step": 7,
+    }
+    writer.save(state, "t/mm")
+    root = local_root(writer)
+    before = store_files(root)
+    reader = cas.open(root, readonly=True)
+
+    back = reader.load("t/mm", mmap=True)
+    assert_bit_exact(state, back)
+    # The chunk files of the stored tensors are mapped, not read into fresh buffers.
+    chunked = [t for t in reader.manifest("t/mm").tensors if t.chunks]
+    assert len(chunked) == 2 and all(len(t.chunks) == 1 for t in chunked)
+    chunk_files = {str(root / chunk_key(t.chunks[0].digest)) for t in chunked}
+    assert chunk_files <= mapped_files()
+
+    back["w"].add_(1)  # copy-on-write: neither the file nor a second load sees it
+    assert_bit_exact(state, reader.load("t/mm", mmap=True))
+    with pytest.raises(cas.ReadOnlyError):
+        reader.save(state, "t/other")
+    assert store_files(root) == before
 
 
 def test_map_location_and_unsupported_values(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from cas.sync.transfer import LIST_MIN_KEYS, TransferConflict, find_missing, pul
 from cas.testing.faulty import FaultyBlobStore
 from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer
 from tests.helpers import assert_bit_exact, small_chunk_repo
+from tests.prerequisites import require_weed
 
 CHUNK = 64 << 10
 
@@ -164,7 +165,7 @@ def private_seaweed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
     for leaking in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
         monkeypatch.delenv(leaking, raising=False)
-    server = SeaweedServer(tmp_path / "seaweed")
+    server = SeaweedServer(tmp_path / "seaweed", weed=require_weed())
     server.start()
     try:
         server.make_bucket("crash")
