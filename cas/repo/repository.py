@@ -10,9 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore
 from cas.codecs import Codec, EncodeHints, codec_by_name
@@ -52,6 +50,9 @@ from cas.objects.store import HEADER_SIZE, ObjectStore, chunk_key, manifest_key
 from cas.refs.leases import LeaseManager, LeaseSettings, leased
 from cas.refs.store import RefEvent, RefRecord, RefStore
 from cas.repo.config import StoreConfig
+
+if TYPE_CHECKING:
+    import torch
 
 _ANY: Any = ...
 
@@ -468,6 +469,8 @@ class Repository:
         use_mmap: bool,
         progress: Progress | None,
     ) -> dict[int, Any]:
+        import torch  # only reads that build tensors need it; listing and files do not
+
         buffers: dict[int, torch.Tensor] = {}
         futures: list[Future[None]] = []
         for index in indices:
@@ -498,6 +501,8 @@ class Repository:
         return out
 
     def _mmap_chunk(self, entry: TensorEntry) -> torch.Tensor | None:
+        import torch
+
         blobs = self.blobs.inner if isinstance(self.blobs, ReadOnlyBlobStore) else self.blobs
         if not isinstance(blobs, LocalBlobStore) or len(entry.chunks) != 1 or entry.encoding:
             return None
