@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from cas.errors import FormatError
 from cas.model.manifest import ITEMSIZE
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
@@ -81,6 +80,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    import numpy as np
+
     if array.dtype.hasobject or array.dtype.fields is not None:
         raise FormatError(f"cannot store a numpy array of dtype {array.dtype} (objects/records)")
     contiguous = np.ascontiguousarray(array)
@@ -91,6 +92,7 @@ def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
 
 def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
     """Turn a nested state into a msgpack-ready tree and the list of tensors it references."""
+    import numpy as np
     import torch  # here, not at the top: ``import cas`` and the CLI start without torch
 
     sources: list[TensorSource] = []
@@ -238,6 +240,7 @@ def decode_state(
 
 def tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: torch.Tensor) -> Any:
     """Build the user-facing object from a flat uint8 CPU tensor holding its bytes."""
+    import numpy as np
     import torch
 
     if kind == "torch":
