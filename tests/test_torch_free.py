@@ -95,3 +95,13 @@ def test_cas_needs_torch_only_for_the_checkpoint_manager() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True"]
+
+
+def test_import_cas_and_its_cli_load_neither_torch_nor_numpy() -> None:
+    # numpy alone costs about half of a cas command's start-up; it loads when arrays are made.
+    probe = "import sys, cas, cas.cli; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
