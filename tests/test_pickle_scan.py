@@ -37,7 +37,7 @@ def every_dtype_state() -> dict[str, object]:
     return {
         "dtypes": {
             str(d).removeprefix("torch."): random_tensor(d, (3, 4), i)
-            for i, d in enumerate(ALL_DTYPES)
+            for i, d in enumerate([*ALL_DTYPES, torch.complex128, torch.complex32])
         },
         "model": OrderedDict(
             [("embed.weight", tied), ("head.weight", tied), ("norm.bias", torch.zeros(4))]

@@ -130,15 +130,25 @@ def inspect_torch_zip(
 def inspect_pickle(name: str, size: int, *, allow_opaque_pickles: bool) -> FileLayout:
     """Validate a legacy torch file (or any pickle) as weights-only; its bytes stay opaque."""
     try:
-        with open(name, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            if len(mapped) != size:
-                raise FormatError(f"{name} changed while it was being read")
+        with open(name, "rb") as f, _map(name, f, size) as mapped:
             _check_legacy(name, mapped)
     except FormatError:
         if allow_opaque_pickles:
             return opaque_layout(size)
         raise
     return opaque_layout(size)
+
+
+def _map(name: str, f: BinaryIO, size: int) -> mmap.mmap:
+    """A read-only mapping of the whole file, which must still be ``size`` bytes long."""
+    try:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError as e:  # the file became empty
+        raise FormatError(f"{name} changed while it was being read") from e
+    if len(mapped) != size:
+        mapped.close()
+        raise FormatError(f"{name} changed while it was being read")
+    return mapped
 
 
 def _archive_prefix(infos: list[zipfile.ZipInfo]) -> str | None:
