@@ -5,6 +5,8 @@
 out without pickle; refs name manifests, manifests name chunks, chunks are stored once by blake3.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from cas.errors import (
     AlreadyExists,
     BackendError,
@@ -19,7 +21,9 @@ from cas.errors import (
 )
 from cas.repo.opening import default_store_url, open
 from cas.repo.repository import Repository
-from cas.training.manager import CheckpointManager
+
+if TYPE_CHECKING:
+    from cas.training.manager import CheckpointManager
 
 __version__ = "0.1.0"
 
@@ -39,3 +43,12 @@ __all__ = [
     "default_store_url",
     "open",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``cas.CheckpointManager`` on first use: the manager needs torch, ``import cas`` does not."""
+    if name == "CheckpointManager":
+        from cas.training.manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module 'cas' has no attribute {name!r}")

@@ -3,6 +3,8 @@
 Every writer is durable (fsync) and every figure comes from the same run. Sections:
 
 - ``core``: first save, re-save with 10% of the tensors changed, and load of a ~1 GB state dict.
+- ``startup``: ``cas --version`` and ``cas ls`` against ``import torch`` in the same run, and ten
+  ``cas put`` processes of ~100 MB .pt files (``scripts/bench_startup.py``).
 - ``compression``, ``gc``, ``fs``, ``manager``, ``s3``: delegated to ``scripts/bench_<name>.py``
   when present (each also runs on its own).
 
@@ -239,7 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="cas benchmarks")
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sections", default="core,compression,gc,fs,manager,s3")
+    parser.add_argument("--sections", default="startup,core,compression,gc,fs,manager,s3")
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (smoke test)")
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "bench.json"))
     parser.add_argument("--workdir", default=None, help="scratch directory on the disk to measure")

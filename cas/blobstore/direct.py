@@ -26,9 +26,10 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 ALIGN = 4096
 """Covers 512-byte and 4 KiB logical blocks, and the page size ``O_DIRECT`` asks of most filesystems."""
@@ -126,6 +127,8 @@ def _gather(parts: Sequence[memoryview], total: int, buffers: AlignedBuffers) ->
     scratch = buffers.get(scratch_size)
     # numpy copies with the GIL released; a memoryview slice assignment holds it for the whole
     # copy, which stalls a training loop's Python between its ops.
+    import numpy as np  # here, not at the top: ``import cas`` stays quick
+
     block = np.frombuffer(scratch, dtype=np.uint8, count=scratch_size)
     iovecs = []
     at = 0
@@ -170,6 +173,8 @@ def _in_place_runs(parts: Sequence[memoryview]) -> list[_Run]:
 
 def _fill(block: np.ndarray[Any, Any], parts: Sequence[memoryview], start: int) -> None:
     """Copy the file bytes ``[start, start + len(block))`` from ``parts``, zeros past their end."""
+    import numpy as np
+
     end = start + len(block)
     at = start
     offset = 0
@@ -207,6 +212,8 @@ def _after(views: Sequence[memoryview], skipped: int) -> list[memoryview]:
 
 def _address(view: memoryview) -> int:
     """Where the view's first byte is in memory."""
+    import numpy as np
+
     address: int = np.frombuffer(view, dtype=np.uint8).ctypes.data
     return address
 

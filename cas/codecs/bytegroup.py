@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
 import zstandard
 
 from cas.codecs.base import BaseFetcher, Codec, EncodeHints
 from cas.codecs.zstd import zstd_decompress_bounded
 from cas.errors import FormatError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    Bytes = npt.NDArray[np.uint8]
 
 MAX_ELEM_SIZE = 64
 PLANE_STORED = 0
@@ -37,8 +42,6 @@ _PROBE_BYTES = 64 << 10
 _PROBE_KEEP = 0.97
 """A plane whose first 64 KiB compress to more than this fraction is stored as is, unprobed rest
 included: compressing mantissa noise costs as much time as compressing anything else."""
-
-Bytes = npt.NDArray[np.uint8]
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ def check_elem_size(elem_size: int) -> int:
 
 def split_planes(data: Bytes, elem_size: int) -> tuple[Bytes, Bytes]:
     """``(planes, tail)``: planes has shape ``(elem_size, n)``; tail is the leftover bytes."""
+    import numpy as np  # here, not at the top: ``import cas`` stays quick
+
     n = len(data) // elem_size
     body = data[: n * elem_size]
     if elem_size == 1:
@@ -90,6 +95,8 @@ def split_planes(data: Bytes, elem_size: int) -> tuple[Bytes, Bytes]:
 
 def join_planes(planes: list[Bytes], tail: Bytes) -> Bytes:
     """Interleave planes back into elements, then append the tail: the inverse of split_planes."""
+    import numpy as np
+
     n = len(planes[0])
     out = np.empty(n * len(planes) + len(tail), dtype=np.uint8)
     body = out[: n * len(planes)]
@@ -134,6 +141,8 @@ def decompress_planes(
     table: PlaneTable, payload: memoryview, decoded_size: int
 ) -> tuple[list[Bytes], Bytes]:
     """Decode the planes and tail of a payload, refusing any size that is not the declared one."""
+    import numpy as np
+
     n = decoded_size // table.elem_size
     tail_size = decoded_size - n * table.elem_size
     if sum(length for _, length in table.planes) + tail_size != len(payload):
@@ -175,6 +184,8 @@ def as_view(array: Bytes) -> memoryview:
 
 def as_bytes(data: memoryview | bytes | bytearray) -> Bytes:
     """A read-only uint8 array over ``data`` without copying."""
+    import numpy as np
+
     return np.frombuffer(data, dtype=np.uint8)
 
 

@@ -20,14 +20,10 @@ may itself be a delta) and bounds the chain depth; a base of the wrong size is r
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any
 
 from cas.codecs.base import BaseFetcher, Codec, EncodeHints
 from cas.codecs.bytegroup import (
-    Bytes,
     PlaneTable,
     as_bytes,
     as_view,
@@ -38,7 +34,12 @@ from cas.codecs.bytegroup import (
 from cas.digest import DIGEST_BYTES, Digest, digest_to_bytes, parse_digest
 from cas.errors import FormatError
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from cas.codecs.bytegroup import Bytes
+
+_UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
 def _base_bytes(hints: EncodeHints, size: int) -> Bytes:
@@ -107,9 +108,13 @@ class XorDeltaCodec(_DeltaCodec):
     name = "xor-delta"
 
     def forward(self, data: Bytes, base: Bytes, elem_size: int) -> Bytes:
+        import numpy as np
+
         return np.bitwise_xor(data, base)
 
     def inverse(self, delta: Bytes, base: Bytes, elem_size: int) -> Bytes:
+        import numpy as np
+
         if delta.flags.writeable:
             return np.bitwise_xor(delta, base, out=delta)
         return np.bitwise_xor(delta, base)
@@ -129,6 +134,8 @@ class SubDeltaCodec(_DeltaCodec):
             raise FormatError(f"sub-delta works on 1, 2, 4 or 8-byte elements, not {elem_size}")
 
     def forward(self, data: Bytes, base: Bytes, elem_size: int) -> Bytes:
+        import numpy as np
+
         out = np.empty_like(data)
         n = _whole(len(data), elem_size)
         a, b, words = (_view(x, n, elem_size) for x in (data, base, out))
@@ -141,6 +148,8 @@ class SubDeltaCodec(_DeltaCodec):
         return out
 
     def inverse(self, delta: Bytes, base: Bytes, elem_size: int) -> Bytes:
+        import numpy as np
+
         # The decoded delta is a fresh array; undo it in place to spare a pass and an allocation.
         out = delta if delta.flags.writeable else delta.copy()
         n = _whole(len(delta), elem_size)
@@ -161,4 +170,4 @@ def _whole(length: int, elem_size: int) -> int:
 
 def _view(data: Bytes, n: int, elem_size: int) -> npt.NDArray[Any]:
     """The first ``n`` bytes as unsigned integers of ``elem_size`` bytes (little-endian)."""
-    return data[:n].view(np.dtype(_UINT[elem_size]).newbyteorder("<"))
+    return data[:n].view(_UINT[elem_size])

@@ -6,21 +6,24 @@
   ``data_offsets`` become a region. Any defect (truncation, offsets past the end, overlap, bad
   JSON, a header over 100 MiB, an unknown dtype) is a ``FormatError`` naming the file. Files not
   named ``.safetensors`` are only treated as such when the header length fits the file.
-- **torch-zip** (``torch.save``'s default format): a zip holding ``<archive>/data.pkl``. It is
-  first loaded with ``torch.load(weights_only=True, mmap=True)``, so a pickle that would run code
-  is refused and nothing of it executes; then each uncompressed ``<archive>/data/<key>`` member
-  becomes a region (compressed members and big-endian files yield no regions).
-- **legacy torch / raw pickles** (first byte ``0x80``, protocol 2 to 5): validated the same way
-  (without mmap, so capped at 1 GiB) and then stored as opaque bytes. A file not named like a
-  torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) is taken for a pickle only if its opcodes
-  read as one (``pickletools``, nothing executed); binary data that merely starts with those two
-  bytes is opaque.
+- **torch-zip** (``torch.save``'s default format): a zip holding ``<archive>/data.pkl``. The
+  pickle is never unpickled and torch is not imported: its opcodes are scanned against the
+  globals a weights-only state may name (``cas.formats._pickle_scan``), so a pickle that would
+  run code is refused, naming the global. Each storage it names must be a record of its size;
+  each uncompressed ``<archive>/data/<key>`` member becomes a region, named after the tensor that
+  covers it (compressed members and big-endian files yield no regions).
+- **legacy torch / raw pickles** (first byte ``0x80``, protocol 2 to 5): each pickle of the
+  legacy layout (magic number, version, system info, the object, the storage keys) is scanned the
+  same way and the storage sizes after them are checked; the bytes are stored as opaque. A file
+  not named like a torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) is taken for a pickle only
+  if its opcodes read as one (``pickletools``, nothing executed); binary data that merely starts
+  with those two bytes is opaque.
 - anything else is **opaque**: no regions, cut by content-defined chunking.
 
 A pickle that fails weights-only validation raises ``FormatError`` unless the caller passes
-``allow_opaque_pickles=True``; then it is described as opaque and never loaded again. Only the
+``allow_opaque_pickles=True``; then it is described as opaque and never read again. Only the
 header of a safetensors file and the zip directory, local headers and ``data.pkl`` of a torch
-file are read; tensor bytes are memory-mapped by torch, not read.
+file are read; tensor bytes are not read.
 
 The layout describes the file at the moment of inspection: the caller must read the same
 bytes (e.g. check size and mtime again) before cutting chunks from the regions.

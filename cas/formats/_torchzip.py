@@ -1,31 +1,37 @@
 """Validating torch.save files as weights-only and locating their storages inside the zip.
 
-Validation is ``torch.load(weights_only=True)``: torch's restricted unpickler refuses any global
-outside its allowlist before calling it, so a malicious ``__reduce__`` never runs. The only
-globals added to that allowlist are numpy's array and dtype constructors, the same ones
-``transformers`` allows for ``rng_state.pth``; objects built from them are plain data.
+Validation never unpickles and never imports torch: the pickle is read by an opcode scanner
+(``cas.formats._pickle_scan``) that refuses any global outside the weights-only allowlist and
+models what the allowed ones build, so nothing a file names is ever called. (``torch.load(...,
+weights_only=True)`` is an unpickler that calls what passes its checks; those checks have had
+holes, e.g. CVE-2025-32434.)
 
-Storage offsets come from the zip's local file headers, not from torch. Names, dtypes and shapes
-come from the loaded object: with ``mmap=True`` every storage is a slice of one mapping of the
-whole file, so ``storage.data_ptr() - base`` is the storage's file offset. Nothing here depends
-on torch internals; if the pointers cannot be matched to members, regions keep their
-``storage/<key>`` names and stay correct.
+Storage offsets come from the zip's local file headers. Names, dtypes and shapes come from the
+scanned pickle: each tensor rebuild names its storage key, offset, shape and stride, so a storage
+that one plain contiguous tensor covers exactly becomes a region named by the tensor's dotted
+path; other storages keep ``storage/<key>`` names and are described as bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import pickle
+import io
+import mmap
 import pickletools
-import re
 import struct
-import warnings
 import zipfile
-from collections.abc import Iterator
+import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO
+from typing import IO, BinaryIO, cast
 
 from cas.errors import FormatError
+from cas.formats._pickle_allow import PLAIN_DTYPES
+from cas.formats._pickle_scan import (
+    BrokenPickle,
+    ScannedPickle,
+    UnsafePickle,
+    named_tensors,
+    scan_pickle,
+)
 from cas.formats.layout import (
     FileLayout,
     TensorRegion,
@@ -34,22 +40,21 @@ from cas.formats.layout import (
     sorted_regions,
 )
 
-if TYPE_CHECKING:
-    import torch
-
 TORCH_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt"})
-"""Names under which a zip or pickle that fails to load is an error rather than opaque data."""
+"""Names under which a zip or pickle that fails to validate is an error rather than opaque data."""
 
 PICKLE_CAP = 1 << 30
 """Largest ``data.pkl`` accepted: real ones are kilobytes to a few megabytes."""
 
-LEGACY_CAP = 1 << 30
-"""Largest legacy (non-zip) torch file validated: torch reads those wholly into memory."""
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+"""The first pickle of a legacy (non-zip) torch file; the protocol version follows."""
+
+LEGACY_VERSION = 1001
 
 _LOCAL_HEADER = struct.Struct("<4s2xHH2x2x4x4x4xHH")  # magic, flags, method, name len, extra len
 _LOCAL_MAGIC = b"PK\x03\x04"
 _HINT = "--allow-opaque-pickles (allow_opaque_pickles=True) stores it as opaque bytes, never loaded"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, EOFError, OSError)
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,8 @@ def is_pickle_head(head: bytes) -> bool:
 def parses_as_pickle(name: str) -> bool:
     """Whether the file's opcodes read as one pickle up to its STOP (nothing is executed)."""
     try:
-        with open(name, "rb") as stream:
-            for _ in pickletools.genops(stream):
+        with open(name, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            for _ in pickletools.genops(cast(IO[bytes], mapped)):
                 pass
     except Exception:  # pickletools raises ValueError and others on what is not a pickle
         return False
@@ -93,22 +98,24 @@ def inspect_torch_zip(
     prefix = _archive_prefix(infos)
     if prefix is None:
         return opaque_layout(size)
-    pkl = next(i for i in infos if i.filename == f"{prefix}/data.pkl")
     try:
-        if pkl.file_size > PICKLE_CAP:
-            raise FormatError(f"{name}: data.pkl of {pkl.file_size} bytes exceeds the 1 GiB cap")
-        loaded = _load_weights_only(name, mmap=True)
+        scanned = _scan_data_pkl(name, archive, infos, prefix)
     except FormatError:
         if allow_opaque_pickles:
             return opaque_layout(size)
         raise
     members = _data_members(name, stream, infos, prefix, size)
+    try:
+        _check_storages(name, scanned, members)
+    except FormatError:
+        if allow_opaque_pickles:
+            return opaque_layout(size)
+        raise
     if _byteorder(name, archive, prefix) != "little":
         # Storage bytes are big-endian, so they never equal a tensor's little-endian bytes.
         return FileLayout(format="torch-zip", size=size)
 
-    described = _describe_storages(loaded, members)
-    del loaded  # drops the file mapping
+    described = _describe_storages(scanned, members)
     regions: list[TensorRegion] = []
     for member in members:
         if not member.stored:
@@ -123,17 +130,25 @@ def inspect_torch_zip(
 def inspect_pickle(name: str, size: int, *, allow_opaque_pickles: bool) -> FileLayout:
     """Validate a legacy torch file (or any pickle) as weights-only; its bytes stay opaque."""
     try:
-        if size > LEGACY_CAP:
-            raise FormatError(
-                f"{name}: legacy (non-zip) torch file of {size} bytes is too large to validate; "
-                "re-save it with torch.save"
-            )
-        _load_weights_only(name, mmap=False)
+        with open(name, "rb") as f, _map(name, f, size) as mapped:
+            _check_legacy(name, mapped)
     except FormatError:
         if allow_opaque_pickles:
             return opaque_layout(size)
         raise
     return opaque_layout(size)
+
+
+def _map(name: str, f: BinaryIO, size: int) -> mmap.mmap:
+    """A read-only mapping of the whole file, which must still be ``size`` bytes long."""
+    try:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError as e:  # the file became empty
+        raise FormatError(f"{name} changed while it was being read") from e
+    if len(mapped) != size:
+        mapped.close()
+        raise FormatError(f"{name} changed while it was being read")
+    return mapped
 
 
 def _archive_prefix(infos: list[zipfile.ZipInfo]) -> str | None:
@@ -146,47 +161,79 @@ def _archive_prefix(infos: list[zipfile.ZipInfo]) -> str | None:
     return prefix
 
 
-def _load_weights_only(name: str, *, mmap: bool) -> object:
-    import torch
-
-    with warnings.catch_warnings(), _numpy_safe_globals():
-        warnings.simplefilter("ignore")
-        try:
-            return torch.load(name, weights_only=True, mmap=mmap, map_location="cpu")
-        except pickle.UnpicklingError as e:
-            raise FormatError(
-                f"refusing to load {name}: not a weights-only checkpoint ({_reason(e)}); {_HINT}"
-            ) from e
-        except Exception as e:  # torch raises many types for damaged or TorchScript files
-            raise FormatError(
-                f"refusing to load {name}: not a loadable torch checkpoint ({_reason(e)}); {_HINT}"
-            ) from e
+def _scan(name: str, stream: IO[bytes], *, storage_id_fields: int) -> ScannedPickle:
+    """``scan_pickle`` with its refusals turned into one-line ``FormatError``s naming the file."""
+    try:
+        return scan_pickle(stream, storage_id_fields=storage_id_fields)
+    except UnsafePickle as e:
+        raise FormatError(
+            f"refusing to load {name}: not a weights-only checkpoint ({e}); {_HINT}"
+        ) from None
+    except BrokenPickle as e:
+        raise _not_loadable(name, str(e)) from None
 
 
-def _numpy_safe_globals() -> contextlib.AbstractContextManager[object]:
-    import numpy as np
-    import torch
-
-    safe_globals = getattr(torch.serialization, "safe_globals", None)
-    if safe_globals is None:  # torch 2.4: only a process-wide allowlist exists
-        return contextlib.nullcontext()
-    core = getattr(np, "_core", None) or np.core
-    numeric = "?bhilqBHILQefdFD"
-    allowed: list[object] = [core.multiarray._reconstruct, np.ndarray, np.dtype]
-    allowed += [type(np.dtype(code)) for code in numeric]
-    # Files written under numpy 1.x name the reconstructor by its old module path.
-    allowed.append((core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"))
-    manager: contextlib.AbstractContextManager[object] = safe_globals(allowed)
-    return manager
+def _not_loadable(name: str, reason: str) -> FormatError:
+    return FormatError(
+        f"refusing to load {name}: not a loadable torch checkpoint ({reason}); {_HINT}"
+    )
 
 
-def _reason(error: BaseException) -> str:
-    # torch's messages are paragraphs of advice; keep the one that names the problem.
-    paragraphs = [p.strip() for p in _ANSI.sub("", str(error)).split("\n\n") if p.strip()]
-    boilerplate = ("Weights only load failed", "Check the documentation", "Please file an issue")
-    useful = [p for p in paragraphs if not p.startswith(boilerplate)] or paragraphs or [repr(error)]
-    text = " ".join(useful[0].split())
-    return text if len(text) <= 200 else text[:197] + "..."
+def _scan_data_pkl(
+    name: str, archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], prefix: str
+) -> ScannedPickle:
+    if any(i.filename == f"{prefix}/constants.pkl" for i in infos):
+        raise _not_loadable(name, "a TorchScript archive, not a torch.save checkpoint")
+    pkl = next(i for i in infos if i.filename == f"{prefix}/data.pkl")
+    if pkl.file_size > PICKLE_CAP:
+        raise FormatError(f"{name}: data.pkl of {pkl.file_size} bytes exceeds the 1 GiB cap")
+    try:
+        data = archive.read(pkl)
+    except _ZIP_ERRORS as e:
+        raise _not_loadable(name, f"data.pkl is unreadable: {type(e).__name__}: {e}") from e
+    return _scan(name, io.BytesIO(data), storage_id_fields=5)
+
+
+def _check_storages(name: str, scanned: ScannedPickle, members: list[_Member]) -> None:
+    """Every storage the pickle names is a record of exactly its size, as torch.load needs."""
+    by_key = {m.key: m for m in members}
+    for storage in scanned.storages.values():
+        member = by_key.get(storage.key)
+        if member is None:
+            raise _not_loadable(name, f"its pickle names storage {storage.key!r}, which is missing")
+        if member.nbytes != storage.nbytes:
+            raise _not_loadable(
+                name,
+                f"record data/{storage.key} holds {member.nbytes} bytes, "
+                f"its pickle says {storage.nbytes}",
+            )
+
+
+def _check_legacy(name: str, mapped: mmap.mmap) -> None:
+    """A legacy file: magic, version, system info and object pickles, a key list, raw storages."""
+    stream = cast(IO[bytes], mapped)
+    magic = _scan(name, stream, storage_id_fields=6).root
+    if type(magic) is not int or magic != LEGACY_MAGIC:
+        raise _not_loadable(name, "a pickle without torch's magic number")
+    version = _scan(name, stream, storage_id_fields=6).root
+    if type(version) is not int or version != LEGACY_VERSION:
+        raise _not_loadable(name, f"unknown legacy format version {version!r:.40}")
+    _scan(name, stream, storage_id_fields=6)  # system info: byte order and type sizes
+    storages = _scan(name, stream, storage_id_fields=6).storages
+    keys = _scan(name, stream, storage_id_fields=6).root
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _not_loadable(name, "its storage key list is not a list of names")
+    offset = mapped.tell()
+    for key in keys:
+        storage = storages.get(key)
+        if storage is None:
+            raise _not_loadable(name, f"storage {key[:80]!r} is listed but never used")
+        numel = int.from_bytes(mapped[offset : offset + 8], "little", signed=True)
+        if offset + 8 > len(mapped) or numel != storage.numel:
+            raise _not_loadable(name, f"storage {key[:80]!r} is truncated or has the wrong size")
+        offset += 8 + storage.nbytes
+    if offset > len(mapped):
+        raise _not_loadable(name, "the file ends inside its storages")
 
 
 def _data_members(
@@ -241,87 +288,21 @@ def _byteorder(name: str, archive: zipfile.ZipFile, prefix: str) -> str:
         raise FormatError(f"{name}: zip member {info.filename} is unreadable: {e}") from e
 
 
-def _walk_tensors(root: object) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors reachable from a loaded object with their dotted paths, depth-first in order."""
-    import torch
+def _describe_storages(scanned: ScannedPickle, members: list[_Member]) -> dict[str, TensorRegion]:
+    """Region per member key for storages that one tensor covers exactly, named after it.
 
-    stack: list[tuple[tuple[str, ...], object]] = [((), root)]
-    seen: set[int] = set()
-    while stack:
-        path, obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            yield ".".join(path), obj
-            continue
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        children: list[tuple[str, object]]
-        if isinstance(obj, dict):
-            children = [(str(k), v) for k, v in obj.items()]
-        elif isinstance(obj, (list, tuple)):
-            children = [(str(i), v) for i, v in enumerate(obj)]
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            children = [(str(k), v) for k, v in vars(obj).items()]  # allowlisted user classes
-        else:
-            continue
-        stack.extend(((*path, key), value) for key, value in reversed(children))
-
-
-def _describe_storages(loaded: object, members: list[_Member]) -> dict[str, TensorRegion]:
-    """Region per member key for storages that one tensor covers exactly, named after it."""
-    storages: list[tuple[int, int]] = []  # (data_ptr, nbytes)
-    tensors: list[tuple[str, torch.Tensor, int]] = []
-    for path, tensor in _walk_tensors(loaded):
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue  # sparse, nested or other storage-less layouts keep fallback names
-        if storage.device.type != "cpu":
-            continue
-        storages.append((storage.data_ptr(), storage.nbytes()))
-        tensors.append((path, tensor, storage.data_ptr()))
-
-    member_at = _match_storages(storages, members)
+    Tensors are visited depth-first in the saved object's order; the first with a path that
+    covers a storage names it (a tied weight's second name, views and transposes do not).
+    """
+    by_key = {m.key: m for m in members}
     described: dict[str, TensorRegion] = {}
     used_names: set[str] = set()
-    for path, tensor, ptr in tensors:
-        member = member_at.get(ptr)
+    for path, tensor in named_tensors(scanned.root):
+        member = by_key.get(tensor.storage.key)
         if member is None or member.key in described or not path or path in used_names:
             continue
-        covers = (
-            tensor.storage_offset() == 0
-            and tensor.is_contiguous()
-            and not tensor.is_conj()
-            and not tensor.is_neg()
-            and tensor.numel() * tensor.element_size() == member.nbytes
-        )
-        if covers:
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            shape = tuple(tensor.shape)
-            described[member.key] = TensorRegion(path, dtype, shape, member.offset, member.nbytes)
+        if tensor.covers_storage() and tensor.dtype in PLAIN_DTYPES:
+            region = TensorRegion(path, tensor.dtype, tensor.shape, member.offset, member.nbytes)
+            described[member.key] = region
             used_names.add(path)
     return described
-
-
-def _match_storages(storages: list[tuple[int, int]], members: list[_Member]) -> dict[int, _Member]:
-    """Map storage data pointers to members by finding the mapping's base address.
-
-    Every storage is ``base + member.offset``; try the bases that explain the lowest pointer
-    and keep the first one under which every storage lands on a member of its size.
-    """
-    if not storages or not members:
-        return {}
-    by_offset = {m.offset: m for m in members}
-    lowest_ptr, lowest_size = min(storages)
-    candidates = [lowest_ptr - min(by_offset)]
-    candidates += [lowest_ptr - m.offset for m in members if m.nbytes == lowest_size]
-    for base in dict.fromkeys(candidates[:256]):
-        matched: dict[int, _Member] = {}
-        for ptr, nbytes in storages:
-            member = by_offset.get(ptr - base)
-            if member is None or member.nbytes != nbytes:
-                break
-            matched[ptr] = member
-        else:
-            return matched
-    return {}

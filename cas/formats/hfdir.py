@@ -12,7 +12,7 @@ regular file, sorted by path. The rules a user can rely on:
 - **Special files** (FIFOs, sockets, devices) and names that are not valid UTF-8 are a
   ``FormatError``.
 - **Pickles.** Every file goes through ``inspect_file``, so ``optimizer.pt``, ``scheduler.pt`` and
-  ``rng_state.pth`` are validated with ``torch.load(weights_only=True)``. ``training_args.bin`` is
+  ``rng_state.pth`` are validated as weights-only by an opcode scan. ``training_args.bin`` is
   a pickled ``TrainingArguments`` object, which is *not* weights-only: by default it makes the
   whole put fail with a ``FormatError`` naming the file, because storing a pickle we could not
   validate means a later ``torch.load`` of the exported copy could run its code. With

@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cas.errors import FormatError
 from cas.model.manifest import ITEMSIZE
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
@@ -52,6 +53,8 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``; unknown names are a FormatError."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or name not in ITEMSIZE:
         raise FormatError(f"dtype {name!r} is not supported by this torch")
@@ -60,6 +63,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's elements as a flat little-endian uint8 view, copying only when it must."""
+    import torch
+
     if tensor.layout != torch.strided:
         raise FormatError(f"cannot store a {tensor.layout} tensor; convert it to dense first")
     if tensor.is_quantized:
@@ -75,6 +80,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    import numpy as np
+
     if array.dtype.hasobject or array.dtype.fields is not None:
         raise FormatError(f"cannot store a numpy array of dtype {array.dtype} (objects/records)")
     contiguous = np.ascontiguousarray(array)
@@ -85,6 +92,9 @@ def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
 
 def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
     """Turn a nested state into a msgpack-ready tree and the list of tensors it references."""
+    import numpy as np
+    import torch  # here, not at the top: ``import cas`` and the CLI start without torch
+
     sources: list[TensorSource] = []
     seen: dict[int, int] = {}
     keep_alive: list[Any] = []
@@ -219,6 +229,8 @@ def decode_state(
         if tag == "dtype":
             return torch_dtype(str(node["v"]))
         if tag == "device":
+            import torch
+
             return torch.device(str(node["v"]))
         raise FormatError(f"corrupt manifest: unknown node tag {tag!r} at {path or '/'}")
 
@@ -228,6 +240,9 @@ def decode_state(
 
 def tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: torch.Tensor) -> Any:
     """Build the user-facing object from a flat uint8 CPU tensor holding its bytes."""
+    import numpy as np
+    import torch
+
     if kind == "torch":
         target = torch_dtype(dtype)
         if target == torch.uint8:

@@ -9,9 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore
 from cas.codecs import Codec, codec_by_name
@@ -50,6 +48,9 @@ from cas.refs.maintenance import MaintenanceService
 from cas.refs.store import RefStore
 from cas.repo.config import StoreConfig
 from cas.repo.refs import RefOperations
+
+if TYPE_CHECKING:
+    import torch
 
 _ANY: Any = ...
 
@@ -364,6 +365,8 @@ class Repository(RefOperations):
         use_mmap: bool,
         progress: Progress | None,
     ) -> dict[int, Any]:
+        import torch  # only reads that build tensors need it; listing and files do not
+
         buffers: dict[int, torch.Tensor] = {}
         futures: list[Future[None]] = []
         for index in indices:
@@ -394,6 +397,8 @@ class Repository(RefOperations):
         return out
 
     def _mmap_chunk(self, entry: TensorEntry) -> torch.Tensor | None:
+        import torch
+
         blobs = self.blobs.inner if isinstance(self.blobs, ReadOnlyBlobStore) else self.blobs
         if not isinstance(blobs, LocalBlobStore) or len(entry.chunks) != 1 or entry.encoding:
             return None

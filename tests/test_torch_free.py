@@ -1,0 +1,107 @@
+"""`import cas` and every command that moves no tensor through memory start without torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+
+# Runs each command in order in one fresh interpreter and reports, per command, whether torch
+# was imported by then; a command that fails is reported too, so a failure names its command.
+_DRIVER = """
+import json, sys
+import cas
+import cas.cli
+report = {"after import": "torch" in sys.modules}
+for args in json.loads(sys.argv[1]):
+    try:
+        cas.cli.cli.main(args, prog_name="cas", standalone_mode=False)
+    except SystemExit as e:
+        if e.code:
+            raise
+    report[" ".join(args)] = "torch" in sys.modules
+print(json.dumps(report))
+"""
+
+
+def _commands(tmp_path: Path) -> list[list[str]]:
+    store, mirror = str(tmp_path / "store"), str(tmp_path / "mirror")
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": np.arange(4096, dtype=np.float32)}, str(src / "model.safetensors"))
+    (src / "notes.bin").write_bytes(bytes(range(256)) * 64)
+    checkpoint = src / "checkpoint-3"
+    checkpoint.mkdir()
+    torch.save({"exp_avg": torch.randn(64, 64), "step": torch.tensor(3.0)}, checkpoint / "opt.pt")
+    torch.save({"w": torch.ones(8)}, src / "legacy.pt", _use_new_zipfile_serialization=False)
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 3}')
+    s = ["--store", store]
+    return [
+        ["--version"],
+        [*s, "put", str(src / "model.safetensors"), "runs/r1/model"],
+        [*s, "put", str(src / "notes.bin"), "runs/r1/notes"],
+        [*s, "put", str(checkpoint), "runs/r1/checkpoint-3"],
+        [*s, "put", str(src / "legacy.pt"), "runs/r1/legacy"],
+        [*s, "ls"],
+        [*s, "ls", "runs/r1", "--json"],
+        [*s, "show", "runs/r1/checkpoint-3"],
+        [*s, "log", "runs/r1/model"],
+        [*s, "du", "-r"],
+        [*s, "stats"],
+        [*s, "verify", "--full"],
+        [*s, "cp", "runs/r1/model", "gates/best"],
+        [*s, "rm", "runs/r1/notes"],
+        [*s, "forget", "--select", "runs/**", "--keep-last", "2"],
+        [*s, "gc", "--grace", "0s"],
+        [*s, "push", "--to", mirror, "gates/best"],
+        [*s, "pull", "--from", mirror, "gates/best"],
+        [*s, "get", "runs/r1/checkpoint-3", str(tmp_path / "back")],
+        [*s, "get", "gates/best", str(tmp_path / "best.safetensors")],
+    ]
+
+
+def test_cli_commands_that_move_no_tensors_never_import_torch(tmp_path: Path) -> None:
+    commands = _commands(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(report) == len(commands) + 1, report  # every command ran
+    first = next((step for step, imported in report.items() if imported), None)
+    assert first is None, f"torch was first imported by: cas {first}"
+    # The commands did their work: ingested files come back byte-identical.
+    original = tmp_path / "src" / "checkpoint-3" / "opt.pt"
+    assert (tmp_path / "back" / "opt.pt").read_bytes() == original.read_bytes()
+    safetensors = (tmp_path / "src" / "model.safetensors").read_bytes()
+    assert (tmp_path / "best.safetensors").read_bytes() == safetensors
+
+
+def test_cas_needs_torch_only_for_the_checkpoint_manager() -> None:
+    probe = (
+        "import sys, cas; before = 'torch' in sys.modules; cas.CheckpointManager; "
+        "print(before, 'torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+
+
+def test_import_cas_and_its_cli_load_neither_torch_nor_numpy() -> None:
+    # numpy alone costs about half of a cas command's start-up; it loads when arrays are made.
+    probe = "import sys, cas, cas.cli; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
