@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore
+from cas.blobstore import BlobStore, touch_many
 from cas.codecs import Codec, EncodeHints, codec_by_name
 from cas.digest import Digest, digest_of, parse_digest
 from cas.errors import CASError, FormatError, InvalidName, NotFound
@@ -498,11 +498,12 @@ class Repository:
         return out
 
     def _mmap_chunk(self, entry: TensorEntry) -> torch.Tensor | None:
-        blobs = self.blobs.inner if isinstance(self.blobs, ReadOnlyBlobStore) else self.blobs
-        if not isinstance(blobs, LocalBlobStore) or len(entry.chunks) != 1 or entry.encoding:
+        if len(entry.chunks) != 1 or entry.encoding:
             return None
         digest = entry.chunks[0].digest
-        path = blobs.path_of(chunk_key(digest))
+        path = self.blobs.local_path(chunk_key(digest))
+        if path is None:
+            return None
         try:
             with path.open("rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -595,8 +596,8 @@ class Repository:
         parse_ref_name(dst)
         digest = self.resolve(src)
         manifest = decode_manifest(self.objects.get_manifest(digest))
-        missing = self.blobs.touch_many(
-            [manifest_key(digest), *map(chunk_key, manifest.chunk_digests())]
+        missing = touch_many(
+            self.blobs, [manifest_key(digest), *map(chunk_key, manifest.chunk_digests())]
         )
         if missing:
             raise NotFound(f"{missing[0]} is missing from the store: {src} is damaged")
