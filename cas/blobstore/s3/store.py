@@ -42,7 +42,6 @@ from cas.blobstore.s3.errors import (
     translated,
 )
 from cas.blobstore.s3.probe import (
-    PROBE_DIR,
     Capabilities,
     probe_capabilities,
     probe_conditional_complete,
@@ -60,17 +59,14 @@ from cas.errors import (
 SINGLE_PUT_MAX = 5 << 30
 """The largest object one PutObject may carry."""
 
-__all__ = ["PROBE_DIR", "S3BlobStore"]
-
 
 class S3BlobStore(BlobStore):
     """Blobs as S3 objects named ``<prefix>/<key>`` in one bucket.
 
     One botocore client (thread-safe, pooling up to ``max_pool_connections`` connections) serves
-    every thread. Blobs above ``multipart_threshold`` go up as multipart uploads through boto3's
-    managed transfers, their parts in parallel, and become visible only on completion; ``get``
-    is a managed download, one ranged GET as a rule and parallel ones for a blob larger than
-    one part. Puts are durable when they return, so ``sync`` is a no-op.
+    every thread. Blobs above ``multipart_threshold`` move through boto3's managed transfers:
+    multipart uploads whose parts go up at once, visible only on completion, and ranged GETs
+    fetched at once. Puts are durable when they return, so ``sync`` is a no-op.
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, options: S3Options | None = None) -> None:
@@ -112,9 +108,19 @@ class S3BlobStore(BlobStore):
         return self._prefix + check_key(key)
 
     def get(self, key: str) -> bytes:
+        """One GET; a blob above ``multipart_threshold`` is fetched again as parts at once.
+
+        The first answer's length decides, so a blob of usual size costs one request and no
+        thread hand-off; for a large one the first answer is dropped after its headers.
+        """
         name = self._name(key)
         try:
             with translated(self._where, "get", key):
+                response = self._client.get_object(Bucket=self.bucket, Key=name)
+                body = response["Body"]
+                if int(response["ContentLength"]) <= self.options.multipart_threshold:
+                    return bytes(body.read())
+                body.close()
                 return self._transfers.download(name)
         except PreconditionFailed as e:
             # A part of a blob larger than one part is asked for with If-Match: the blob was

@@ -1,9 +1,10 @@
 """Managed S3 transfers (boto3's s3transfer): parallel multipart uploads, concurrent ranged GETs.
 
-A download starts with one ranged GET of the first part, which is the whole blob as a rule; a
-blob larger than one part is fetched in parts at once, each pinned to the first answer's ETag so
-a blob replaced meanwhile is never stitched together from two versions. An upload above the
-multipart threshold sends its parts at once and becomes visible only when the upload completes.
+The store uses them for blobs above ``multipart_threshold`` only: for a blob of a few MiB (a
+chunk) the thread hand-offs of a managed transfer cost more than they save. A download starts
+with one ranged GET of the first part; the other parts are fetched at once, each pinned to the
+first answer's ETag, so a blob replaced meanwhile is never stitched together from two versions.
+An upload sends its parts at once and becomes visible only when the upload completes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from cas.blobstore.s3.client import MiB, S3Options, make_client
 
 IO_CHUNK_SIZE = 4 * MiB
 """Bytes a download hands to its writer at once. s3transfer's 256 KiB default halved the rate
-of 4 MiB chunk downloads into memory on a 2-core machine; at 4 MiB it matches plain GETs."""
+of downloads into memory on a 2-core machine."""
 
 
 class ManagedTransfers:
