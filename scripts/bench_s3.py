@@ -11,10 +11,14 @@ files, then times, side by side and alternating, for ``repeat`` rounds:
 - cas pull: ``cas.sync.transfer.pull`` into a fresh local store (every chunk fsynced, every byte
   re-hashed).
 
+Then one large blob (``--blob-mb``, 256 MiB; 0 skips it) goes up and comes down ``repeat`` times
+through ``S3BlobStore.put``/``get`` (multipart uploads and ranged GETs through s3transfer above
+``multipart_threshold``) and through one boto3 TransferManager from and to memory.
+
 Ratios are boto3 time / cas time (1.0 = as fast as boto3; the target is 0.8 or more). The load
 average is recorded around each measurement because the machine is shared.
 
-    python scripts/bench_s3.py [--quick] [--size-gb 1.0] [--repeat 2] [--work DIR]
+    python scripts/bench_s3.py [--quick] [--size-gb 1.0] [--repeat 2] [--blob-mb 256] [--work DIR]
 
 Results go to ``bench-results/s3.json``.
 """
@@ -22,6 +26,7 @@ Results go to ``bench-results/s3.json``.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -39,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cas  # noqa: E402
+from cas.blobstore.s3 import S3BlobStore  # noqa: E402
 from cas.sync.transfer import pull, push  # noqa: E402
 from cas.testing.seaweed import (  # noqa: E402
     DUMMY_ACCESS_KEY,
@@ -138,7 +144,7 @@ def _timed(action: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float
 
 
 def run(quick: bool = False, size_gb: float | None = None, repeat: int | None = None,
-        work: str | None = None) -> dict[str, Any]:  # fmt: skip
+        work: str | None = None, blob_mb: int = 256) -> dict[str, Any]:  # fmt: skip
     """Run the benchmark; return the figures (also printed)."""
     size_gb = size_gb if size_gb is not None else (0.1 if quick else 1.0)
     repeat = repeat if repeat is not None else (1 if quick else 2)
@@ -148,7 +154,10 @@ def run(quick: bool = False, size_gb: float | None = None, repeat: int | None = 
     try:
         with SeaweedServer(root / "seaweed") as server:
             server.make_bucket(BUCKET)
-            return _measure(server, root, size_gb, repeat)
+            result = _measure(server, root, size_gb, repeat)
+            if blob_mb:
+                result["large_blob"] = _measure_large_blob(server, blob_mb * MiB, repeat)
+            return result
     finally:
         for key, value in saved_env.items():
             if value is None:
@@ -222,14 +231,51 @@ def _measure(server: SeaweedServer, root: Path, size_gb: float, repeat: int) -> 
     return result
 
 
+def _measure_large_blob(server: SeaweedServer, size: int, repeat: int) -> dict[str, Any]:
+    """One ``size``-byte blob up and down through S3BlobStore and through boto3, best of ``repeat``."""
+    data = os.urandom(size)
+    store = S3BlobStore.from_url(f"s3://{BUCKET}/blob", endpoint_url=server.endpoint_url)
+    client = boto3_client(server.endpoint_url)
+    seconds: dict[str, list[float]] = {}
+
+    def timed(name: str, action: Callable[[], Any]) -> Any:
+        began = time.perf_counter()
+        result = action()
+        seconds.setdefault(name, []).append(time.perf_counter() - began)
+        return result
+
+    with _transfer_manager(client) as manager:
+        for r in range(repeat):
+            timed("cas_put", lambda r=r: store.put(f"cas{r}", data))
+            assert timed("cas_get", lambda r=r: store.get(f"cas{r}")) == data
+            timed(
+                "boto3_upload",
+                lambda r=r: manager.upload(io.BytesIO(data), BUCKET, f"blob/boto3{r}").result(),
+            )
+            out = io.BytesIO()
+            timed(
+                "boto3_download",
+                lambda r=r, out=out: manager.download(BUCKET, f"blob/boto3{r}", out).result(),
+            )
+            assert out.getvalue() == data
+    store.close()
+    rates = {name: round(size / MiB / min(times), 1) for name, times in seconds.items()}
+    print(
+        f"one {size // MiB} MiB blob: put {rates['cas_put']} MiB/s vs boto3 "
+        f"{rates['boto3_upload']}; get {rates['cas_get']} MiB/s vs boto3 {rates['boto3_download']}"
+    )
+    return {"bytes": size, "MiB_per_s": rates, "load": round(os.getloadavg()[0], 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~100 MiB, one round")
     parser.add_argument("--size-gb", type=float, default=None)
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument("--work", default=None, help="directory for temporary data")
+    parser.add_argument("--blob-mb", type=int, default=256, help="one large blob; 0 skips it")
     args = parser.parse_args()
-    result = run(args.quick, args.size_gb, args.repeat, args.work)
+    result = run(args.quick, args.size_gb, args.repeat, args.work, args.blob_mb)
     out = ROOT / "bench-results" / "s3.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

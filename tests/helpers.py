@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 import cas
-from cas.blobstore import LocalBlobStore
 from cas.repo.config import StoreConfig
 
 
@@ -78,5 +77,6 @@ def assert_bit_exact(a: Any, b: Any, path: str = "") -> None:
 
 def local_root(repo: cas.Repository) -> Path:
     """The directory of a local store."""
-    assert isinstance(repo.blobs, LocalBlobStore)
-    return repo.blobs.root
+    root = repo.blobs.local_root
+    assert root is not None
+    return root

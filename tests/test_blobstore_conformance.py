@@ -17,13 +17,18 @@ from cas.blobstore import (
     MemoryBlobStore,
     ReadOnlyBlobStore,
     open_blobstore,
+    read_into,
 )
+from cas.blobstore.cache import CachingBlobStore
 from cas.blobstore.fsspec_store import FsspecBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.blobstore.s3 import S3BlobStore
 from cas.errors import ReadOnlyError
-from cas.testing import BlobStoreConformance, ManualClock
+from cas.testing import BlobStoreConformance, ManualClock, ReadOnlyConformance
 from cas.testing.faulty import FaultyBlobStore
+from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer
+
+MiB = 1 << 20
 
 
 class TestMemoryBlobStore(BlobStoreConformance):
@@ -35,6 +40,11 @@ class TestMemoryBlobStore(BlobStoreConformance):
 class TestLocalBlobStore(BlobStoreConformance):
     def make_store(self) -> BlobStore:
         return LocalBlobStore(self.tmp_path / "store")
+
+
+class TestDirectLocalBlobStore(BlobStoreConformance):
+    def make_store(self) -> BlobStore:
+        return LocalBlobStore(self.tmp_path / "store").for_background_writes()
 
 
 class TestFsspecMemoryBlobStore(BlobStoreConformance):
@@ -58,11 +68,65 @@ class TestS3BlobStore(BlobStoreConformance):
         return S3BlobStore.from_url(self.fixture("s3_url"))
 
 
+@pytest.mark.s3
+class TestS3BlobStoreInParts(BlobStoreConformance):
+    """Multipart uploads and ranged downloads from 5 MiB, so the suite's larger blobs use them."""
+
+    def make_store(self) -> BlobStore:
+        return S3BlobStore.from_url(
+            self.fixture("s3_url"), multipart_threshold=5 * MiB, multipart_part_size=5 * MiB
+        )
+
+
+@pytest.mark.s3
+class TestFsspecS3fsBlobStore(BlobStoreConformance):
+    conditional_writes = True
+
+    def make_store(self) -> BlobStore:
+        s3fs = pytest.importorskip("s3fs")
+        seaweed: SeaweedServer = self.fixture("seaweed")
+        url = self.fixture("s3_url")
+        fs = s3fs.S3FileSystem(
+            key=DUMMY_ACCESS_KEY,
+            secret=DUMMY_SECRET_KEY,
+            endpoint_url=seaweed.endpoint_url,
+            client_kwargs={"region_name": REGION},
+            skip_instance_cache=True,
+        )
+        return open_blobstore(url, filesystem=fs)
+
+
 class TestRetryingOverFaultyBlobStore(BlobStoreConformance):
     def make_store(self) -> BlobStore:
         faulty = FaultyBlobStore(MemoryBlobStore(), rate=0.05, after_write=0.5, seed=7)
         policy = RetryPolicy(attempts=20, base_delay=0.0, max_delay=0.0)
         return RetryingBlobStore(faulty, policy, sleep=lambda _: None, rng=random.Random(0))
+
+
+class TestFaultyBlobStoreWithFaultsOff(BlobStoreConformance):
+    def make_store(self) -> BlobStore:
+        self.clock = ManualClock()
+        return FaultyBlobStore(MemoryBlobStore(clock=self.clock))
+
+
+class TestCachingBlobStore(BlobStoreConformance):
+    def make_store(self) -> BlobStore:
+        return CachingBlobStore(
+            LocalBlobStore(self.tmp_path / "cache"),
+            LocalBlobStore(self.tmp_path / "remote"),
+            prefixes=("chunks/", "manifests/"),
+            verify=lambda through, key, blob: None,
+        )
+
+
+class TestReadOnlyLocalBlobStore(ReadOnlyConformance):
+    def make_store(self) -> BlobStore:
+        return ReadOnlyBlobStore(LocalBlobStore(self.tmp_path / "store"))
+
+
+class TestReadOnlyMemoryBlobStore(ReadOnlyConformance):
+    def make_store(self) -> BlobStore:
+        return ReadOnlyBlobStore(MemoryBlobStore())
 
 
 def test_a_local_transient_put_skips_the_fsyncs_a_put_makes(
@@ -97,7 +161,7 @@ def test_open_blobstore_routes_fsspec_urls_to_fsspec_store() -> None:
 def test_a_read_only_store_refuses_create_only_puts() -> None:
     inner = MemoryBlobStore()
     with pytest.raises(ReadOnlyError):
-        ReadOnlyBlobStore(inner).put_new_parts("chunks/a", (b"x",))
+        ReadOnlyBlobStore(inner).put_if_absent("chunks/a", (b"x",))
     assert not inner.has("chunks/a")
 
 
@@ -105,7 +169,7 @@ def test_a_read_only_local_store_still_reads_in_place(tmp_path: Path) -> None:
     inner = LocalBlobStore(tmp_path)
     inner.put("chunks/a", b"header+payload")
     store = ReadOnlyBlobStore(inner)
-    assert store.reads_in_place
+    assert store.reads_in_place and store.local_path("chunks/a") == tmp_path / "chunks/a"
     head, rest = memoryview(bytearray(6)), memoryview(bytearray(20))
-    assert store.read_into_parts("chunks/a", 0, [head, rest]) == 14
+    assert read_into(store, "chunks/a", 0, [head, rest]) == 14
     assert bytes(head) + bytes(rest[:8]) == b"header+payload"

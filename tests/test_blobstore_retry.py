@@ -90,9 +90,9 @@ def test_a_conditional_delete_that_landed_before_failing_counts_as_done() -> Non
 def test_a_create_only_put_that_landed_before_failing_counts_as_created() -> None:
     faulty = FaultyBlobStore(MemoryBlobStore())
     store, _ = _retrying(faulty)
-    faulty.fail_next("put_new_parts", after_write=True)
-    assert store.put_new_parts("chunks/a", (b"our ", b"bytes")) is True
-    assert faulty.calls["put_new_parts"] == 2
+    faulty.fail_next("put_if_absent", after_write=True)
+    assert store.put_if_absent("chunks/a", (b"our ", b"bytes")) is True
+    assert faulty.calls["put_if_absent"] == 2
     assert faulty.inner.get("chunks/a") == b"our bytes"
 
 
@@ -100,8 +100,8 @@ def test_a_create_only_put_that_finds_other_bytes_after_a_failure_lost() -> None
     faulty = FaultyBlobStore(MemoryBlobStore())
     store, _ = _retrying(faulty)
     faulty.inner.put("chunks/a", b"their bytes")
-    faulty.fail_next("put_new_parts")
-    assert store.put_new_parts("chunks/a", (b"our bytes",)) is False
+    faulty.fail_next("put_if_absent")
+    assert store.put_if_absent("chunks/a", (b"our bytes",)) is False
     assert faulty.inner.get("chunks/a") == b"their bytes"
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import cas
-from cas.blobstore import LocalBlobStore, MemoryBlobStore
+from cas.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore
 from cas.blobstore.cache import CachingBlobStore
 from cas.blobstore.s3 import S3BlobStore
 from cas.digest import digest_of
 from cas.errors import IntegrityError
 from cas.objects.store import chunk_key
 from cas.repo.config import StoreConfig, read_config
+from cas.repo.opening import CACHED_PREFIXES, verify_cached_object
 from cas.repo.repository import Repository
 from cas.sync.archive import archive
 from cas.sync.transfer import pull
@@ -30,10 +31,15 @@ def model_state(seed: int, layers: int = 6) -> dict[str, Any]:
     return {f"layer{i}": torch.randn(128, 256, generator=generator) for i in range(layers)}
 
 
+def caching(local: BlobStore, remote: BlobStore) -> CachingBlobStore:
+    """``remote`` behind a cache in ``local``, as ``cas.open(url, cache=...)`` builds it."""
+    return CachingBlobStore(local, remote, prefixes=CACHED_PREFIXES, verify=verify_cached_object)
+
+
 def cached_repo(s3_url: str, cache_dir: Path) -> tuple[Repository, FaultyBlobStore]:
     """A repository over S3 through a cache, with the remote's calls counted."""
     counted = FaultyBlobStore(S3BlobStore.from_url(s3_url))  # rate 0: it only counts
-    blobs = CachingBlobStore(LocalBlobStore(cache_dir), counted)
+    blobs = caching(LocalBlobStore(cache_dir), counted)
     config = read_config(blobs)
     assert config is not None
     return Repository(blobs, config), counted
@@ -90,13 +96,13 @@ def test_saves_through_the_cache_land_on_the_remote_before_the_ref(
 
 def test_a_create_only_put_caches_only_what_it_created(tmp_path: Path) -> None:
     remote = MemoryBlobStore()
-    blobs = CachingBlobStore(LocalBlobStore(tmp_path / "cache"), remote)
+    blobs = caching(LocalBlobStore(tmp_path / "cache"), remote)
     ours, theirs = chunk_key(digest_of(b"ours")), chunk_key(digest_of(b"theirs"))
-    assert blobs.put_new_parts(ours, (b"our ", b"encoding")) is True
+    assert blobs.put_if_absent(ours, (b"our ", b"encoding")) is True
     assert blobs.cached(ours) and blobs.local.get(ours) == b"our encoding"
     # Another writer's encoding is on the remote: the cache must not hold ours instead.
     remote.put(theirs, b"their encoding")
-    assert blobs.put_new_parts(theirs, (b"our encoding",)) is False
+    assert blobs.put_if_absent(theirs, (b"our encoding",)) is False
     assert not blobs.cached(theirs)
     assert remote.get(theirs) == b"their encoding"
 
@@ -145,7 +151,10 @@ def test_a_reused_chunk_reports_the_base_the_remote_copy_needs_not_the_cached_on
     from cas.objects.store import ObjectStore
 
     remote, local = MemoryBlobStore(), MemoryBlobStore()
-    through_cache, elsewhere = ObjectStore(CachingBlobStore(local, remote)), ObjectStore(remote)
+    through_cache, elsewhere = (
+        ObjectStore(caching(local, remote)),
+        ObjectStore(remote),
+    )
     b = np.random.default_rng(0).standard_normal(4096).astype(np.float32).tobytes()
     x = bytearray(b)
     x[100] ^= 1
@@ -170,7 +179,10 @@ def test_a_damaged_cached_chunk_is_read_again_from_the_remote(tmp_path: Path, vi
     entry = writer.manifest("b").tensors[0]
     assert entry.base_digests()  # stored as a delta
     cache = LocalBlobStore(tmp_path / "cache")
-    repo = Repository(CachingBlobStore(cache, writer.blobs), writer.config)
+    repo = Repository(
+        caching(cache, writer.blobs),
+        writer.config,
+    )
     assert_bit_exact(repo.load("b"), second)  # fills the cache
     digest = entry.chunks[0].digest if victim == "chunk" else sorted(entry.base_digests())[0]
     key = chunk_key(digest)

@@ -16,6 +16,7 @@ import cas.blobstore.direct as direct
 from cas.blobstore.local import TMP_DIR, LocalBlobStore
 from cas.errors import BackendError
 from cas.objects.store import HEADER_SIZE, chunk_key
+from tests.helpers import local_root
 
 pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this platform has no O_DIRECT")
 
@@ -151,29 +152,29 @@ def test_a_large_blob_is_written_past_the_page_cache_and_reads_back_exactly(
 ) -> None:
     store = LocalBlobStore(tmp_path / "store").for_background_writes()
     parts = [os.urandom(n) for n in sizes]
-    assert store.put_new_parts("chunks/ab/new", parts)
-    store.put_parts("manifests/whole", parts)
+    assert store.put_if_absent("chunks/ab/new", parts)
+    store.put("manifests/whole", parts)
     for key in ("chunks/ab/new", "manifests/whole"):
-        path = store.path_of(key)
+        path = store.root / key
         assert path.stat().st_size == sum(sizes)
         assert store.get(key) == b"".join(parts)
     assert store.direct_io
     assert temp_files(store) == []
     # Read back above; a fresh put of the same size must not be in the page cache yet.
-    store.put_parts("fresh", parts)
-    assert not in_page_cache(store.path_of("fresh"), sum(sizes))
+    store.put("fresh", parts)
+    assert not in_page_cache(store.root / "fresh", sum(sizes))
 
 
 def test_small_blobs_and_ordinary_stores_go_through_the_page_cache(tmp_path: Path) -> None:
     small = LocalBlobStore(tmp_path / "small", direct_io=True)
     small.put("ref", b"x" * 4096)
-    assert in_page_cache(small.path_of("ref"), 4096)
+    assert in_page_cache(small.root / "ref", 4096)
 
     big = os.urandom(2 << 20)
     buffered = LocalBlobStore(tmp_path / "buffered")  # a foreground store: read back soon
     assert not buffered.direct_io
     buffered.put("big", big)
-    assert in_page_cache(buffered.path_of("big"), len(big))
+    assert in_page_cache(buffered.root / "big", len(big))
     assert buffered.get("big") == big
     background = buffered.for_background_writes()
     assert background.direct_io and background.root == buffered.root
@@ -196,7 +197,7 @@ def test_a_managers_background_saves_skip_the_page_cache_and_plain_saves_do_not(
 
     def chunk_files(name: str) -> list[Path]:
         chunks = [c for t in repo.manifest(name).tensors for c in t.chunks]
-        return [repo.blobs.path_of(chunk_key(c.digest)) for c in chunks]
+        return [local_root(repo) / chunk_key(c.digest) for c in chunks]
 
     plain, background = chunk_files("plain/ckpt"), chunk_files(ref)
     assert plain and background
@@ -238,7 +239,7 @@ def test_a_direct_write_that_fails_leaves_no_temp_file_and_no_blob(
 
     monkeypatch.setattr(direct.os, "pwritev", full_disk)
     with pytest.raises(BackendError, match="No space left"):
-        store.put_new_parts("chunks/ab/c", [os.urandom(2 << 20)])
+        store.put_if_absent("chunks/ab/c", [os.urandom(2 << 20)])
     assert not store.has("chunks/ab/c")
     assert temp_files(store) == []
     assert store.direct_io  # a full disk says nothing about O_DIRECT support

@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from cas.blobstore import LocalBlobStore, MemoryBlobStore, ReadOnlyBlobStore
+from cas.blobstore.retry import RetryingBlobStore
 from cas.cli import cli
 from cas.codecs import codec_by_name
 from cas.digest import digest_of
@@ -26,9 +28,9 @@ from cas.objects.store import chunk_key, manifest_key
 from cas.repo.config import StoreConfig
 from cas.retention.gc import GCSettings, plan_gc
 from cas.retention.policy import RetentionPolicy, Rule
-from cas.retention.sweep import TRASH_DIR
+from cas.retention.sweep import TRASH_DIR, LocalSweeper, Sweeper, sweeper_for
 from cas.retention.verify import verify
-from tests.helpers import assert_bit_exact
+from tests.helpers import assert_bit_exact, local_root
 from tests.retention_helpers import (
     FakeClock,
     chunk_digests,
@@ -110,7 +112,7 @@ def test_gc_refuses_and_deletes_nothing_when_a_ref_or_manifest_cannot_be_read(
     repo.rm("garbage")
     before = chunk_digests(repo)
     settings_ = GCSettings(grace=0, reflog_window=0)
-    path = repo.blobs.path_of(manifest_key(digest))
+    path = local_root(repo) / manifest_key(digest)
     original = path.read_bytes()
     path.write_bytes(original[:-3] + b"xyz")
     with pytest.raises(IntegrityError, match=r"gc refused, nothing deleted: ref 'bad'"):
@@ -210,7 +212,7 @@ def test_objects_left_in_the_trash_by_a_killed_gc_are_put_back(tmp_path: Path) -
     victim = sorted(chunks_of(1))[0]
     (tmp_path / TRASH_DIR).mkdir(parents=True, exist_ok=True)
     os.rename(
-        repo.blobs.path_of(chunk_key(victim)),
+        local_root(repo) / chunk_key(victim),
         tmp_path / TRASH_DIR / chunk_key(victim).replace("/", "+"),
     )
     assert not verify(repo).ok
@@ -543,3 +545,11 @@ def test_a_target_overwritten_a_minute_ago_is_kept_however_long_it_was_current()
     assert plan.history_manifests == 1 and plan.chunks == ()
     plan.execute()
     assert_bit_exact(repo.load("runs/r1/latest~1"), state(1))
+
+
+def test_gc_renames_candidates_aside_only_in_a_writable_local_directory(tmp_path: Path) -> None:
+    local = LocalBlobStore(tmp_path / "store")
+    assert isinstance(sweeper_for(local), LocalSweeper)
+    assert isinstance(sweeper_for(RetryingBlobStore(local)), LocalSweeper)
+    assert type(sweeper_for(ReadOnlyBlobStore(local))) is Sweeper  # deletes go through, and fail
+    assert type(sweeper_for(MemoryBlobStore())) is Sweeper

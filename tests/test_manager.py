@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cas
-from cas.blobstore import LocalBlobStore
+from cas.blobstore import LocalBlobStore, Payload
 from cas.errors import NotFound
 from cas.refs.log import TAIL_BYTES
 from cas.repo.config import StoreConfig
@@ -33,6 +33,7 @@ from cas.training.manager import (
     config_hash,
     new_run_id,
 )
+from tests.helpers import local_root
 
 
 def make_model(seed: int = 0, out: int = 4) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -56,7 +57,7 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, An
 def corrupt_first_chunk(repo: cas.Repository, ref: str) -> None:
     """Flip the last byte of the first chunk file of ``ref``."""
     digest = next(c.digest for t in repo.manifest(ref).tensors for c in t.chunks)
-    path = Path(repo.blobs.path_of(f"chunks/{digest[:2]}/{digest}"))  # type: ignore[attr-defined]
+    path = local_root(repo) / f"chunks/{digest[:2]}/{digest}"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -144,14 +145,14 @@ class SwitchedChunks(LocalBlobStore):
         super().__init__(root)
         self.switches = Switches()
 
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+    def put_if_absent(self, key: str, data: Payload) -> bool:
         if key.startswith("chunks/"):
             if self.switches.failing:
                 raise cas.BackendError("disk full (injected)")
             time.sleep(self.switches.delay)
             if self.switches.gate is not None:
                 self.switches.gate.wait(timeout=60)
-        return super().put_new_parts(key, parts)
+        return super().put_if_absent(key, data)
 
 
 def test_a_background_failure_is_raised_at_the_next_save_and_latest_stays(tmp_path: Path) -> None:
@@ -266,10 +267,10 @@ class PriorityRecorder(LocalBlobStore):
 
     seen: list[int]
 
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+    def put_if_absent(self, key: str, data: Payload) -> bool:
         if key.startswith("chunks/"):
             self.seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # Linux: the calling thread
-        return super().put_new_parts(key, parts)
+        return super().put_if_absent(key, data)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread only on Linux")

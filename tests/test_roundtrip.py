@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -223,3 +225,21 @@ def test_keys_selection_drops_unselected_empty_containers(tmp_path: Path) -> Non
     assert set(repo.load("t/empty", keys="model.*")) == {"model"}
     both = repo.load("t/empty", keys=["model.*", "empty"])
     assert set(both) == {"model", "empty"} and both["empty"] == {}
+
+
+def test_a_read_only_local_store_loads_by_mmap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"w": torch.randn(256, 256)}
+    cas.open(tmp_path / "store").save(state, "t/mm")
+    repo = cas.open(tmp_path / "store", readonly=True)
+    mapped: list[int] = []
+    real_mmap = mmap.mmap
+
+    def counting_mmap(fileno: int, length: int, **kwargs: Any) -> mmap.mmap:
+        mapped.append(fileno)
+        return real_mmap(fileno, length, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", counting_mmap)
+    assert_bit_exact(state, repo.load("t/mm", mmap=True))
+    assert len(mapped) == 1  # the one chunk of ``w``, mapped through the read-only view

@@ -141,10 +141,10 @@ def test_create_only_put_answers_map_to_false_or_errors(
         "before-send.s3", _answer_every_request_with(status, code)
     )
     if outcome == "exists":
-        assert store.put_new_parts("chunks/a", (b"data",)) is False
+        assert store.put_if_absent("chunks/a", (b"data",)) is False
         return
     with pytest.raises(BackendError) as caught:
-        store.put_new_parts("chunks/a", (b"data",))
+        store.put_if_absent("chunks/a", (b"data",))
     assert isinstance(caught.value, TransientBackendError) == (outcome == "transient")
     _assert_one_line_naming(caught.value, s3_url)
 
@@ -197,8 +197,8 @@ def test_a_server_ignoring_conditional_headers_is_refused_for_many_writers(
     store.delete_conditional("refs/main", second)
     assert not store.has("refs/main")
     # Create-only chunk puts fall back to check-then-write, still create-only in this process.
-    assert store.put_new_parts("chunks/ab/c", (b"first",)) is True
-    assert store.put_new_parts("chunks/ab/c", (b"second",)) is False
+    assert store.put_if_absent("chunks/ab/c", (b"first",)) is True
+    assert store.put_if_absent("chunks/ab/c", (b"second",)) is False
     assert store.get("chunks/ab/c") == b"first"
 
 
@@ -210,21 +210,9 @@ def test_moto_conditional_writes_are_detected(moto_s3: None) -> None:
     with pytest.raises(PreconditionFailed):
         store.put_conditional("refs/main", b"two", None)
     assert store.get_versioned("refs/main") == (b"one", version)
-    assert store.put_new_parts("chunks/ab/c", (b"first",)) is True
-    assert store.put_new_parts("chunks/ab/c", (b"second",)) is False
+    assert store.put_if_absent("chunks/ab/c", (b"first",)) is True
+    assert store.put_if_absent("chunks/ab/c", (b"second",)) is False
     assert store.get("chunks/ab/c") == b"first"
-
-
-def test_blobs_above_the_threshold_go_up_in_parts(s3_url: str) -> None:
-    MiB = 1 << 20
-    store = S3BlobStore.from_url(s3_url, multipart_threshold=6 * MiB, multipart_part_size=5 * MiB)
-    data = bytes(range(256)) * (11 * MiB // 256)
-    store.put("chunks/big", data)
-    assert store.get("chunks/big") == data
-    assert store.stat("chunks/big").size == len(data)
-    assert (
-        store.get_range("chunks/big", 5 * MiB - 3, 5 * MiB + 3) == data[5 * MiB - 3 : 5 * MiB + 3]
-    )
 
 
 def test_touch_keeps_the_version_so_a_ref_cas_still_matches(s3_url: str) -> None:

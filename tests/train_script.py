@@ -13,7 +13,6 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 import cas
-from cas.blobstore import LocalBlobStore
+from cas.blobstore import LocalBlobStore, Payload
 from cas.repo.config import read_config
 from cas.training.manager import CheckpointManager
 
@@ -37,10 +36,10 @@ class SlowChunkStore(LocalBlobStore):
         super().__init__(root)
         self.delay = delay
 
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+    def put_if_absent(self, key: str, data: Payload) -> bool:
         if self.armed.is_set() and key.startswith("chunks/"):
             time.sleep(self.delay)
-        return super().put_new_parts(key, parts)
+        return super().put_if_absent(key, data)
 
 
 def build(width: int, dropout: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:

@@ -1,4 +1,10 @@
-"""FsspecBlobStore: blobs as files on any fsspec filesystem (memory, local, sftp, gcs, azure...).
+"""FsspecBlobStore: blobs as files on any fsspec filesystem (memory, local, sftp, gcs, s3fs...).
+
+This is also the S3 route for users who already hold an fsspec filesystem: hand an
+``s3fs.S3FileSystem`` to ``cas.open(url, filesystem=fs)`` (or ``FsspecBlobStore(fs, "bucket/prefix")``)
+and cas stores its blobs through it. ``s3://`` URLs without one open ``S3BlobStore`` instead,
+which adds compare-and-swap (conditional writes) that fsspec cannot express, so several writers
+may share the bucket.
 
 Atomic put depends on the filesystem, so the store picks one of two strategies:
 
@@ -15,9 +21,12 @@ fsspec has no compare-and-swap, so ``supports_conditional_writes`` is False. The
 methods still work within one process: they compare a content digest and write while holding one
 process-wide lock. Two processes or hosts can both pass the check and lose an update.
 
-Nor has it a portable create-only write, so ``put_new_parts`` (chunk writes) is the base class's
-``has`` then write under a per-key lock: two threads of one process never both create a chunk, but
-two processes or hosts can, and the last write wins.
+Nor has it a portable create-only write, so ``put_if_absent`` (chunk writes) is ``has`` then
+write under a per-key lock: two threads of one process never both create a chunk, but two
+processes or hosts can, and the last write wins.
+
+Filesystems that cache listings (s3fs) are asked to forget them before each ``stat`` and
+listing, so blobs written by other processes are seen at once, as the contract asks.
 """
 
 from __future__ import annotations
@@ -33,7 +42,15 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from cas.blobstore.base import BlobInfo, BlobStore, Version, check_key
+from cas.blobstore.base import (
+    BlobInfo,
+    BlobStore,
+    BytesLike,
+    Payload,
+    Version,
+    check_key,
+    joined,
+)
 from cas.digest import digest_of
 from cas.errors import BackendError, NotFound, PreconditionFailed, TransientBackendError
 
@@ -47,6 +64,10 @@ _MTIME_FIELDS = ("mtime", "LastModified", "last_modified", "modified", "updated"
 # One lock for every fsspec store in the process: two stores over the same filesystem must not
 # interleave their check-then-write, and conditional writes (refs) are rare enough to serialize.
 _CONDITIONAL_LOCK = threading.Lock()
+
+# ``put_if_absent`` holds one of these (by key) across its check and its write, so two threads of
+# one process never both create a key; striped so unrelated keys rarely wait.
+_CREATE_LOCKS = tuple(threading.Lock() for _ in range(256))
 
 
 class FsspecBlobStore(BlobStore):
@@ -78,6 +99,14 @@ class FsspecBlobStore(BlobStore):
             raise BackendError(f"cannot open {url!r} with fsspec: {e}") from e
         return cls(fs, root, url=url, atomic_rename=atomic_rename)
 
+    @classmethod
+    def on(cls, fs: Any, url: str, **options: Any) -> FsspecBlobStore:
+        """Open ``url`` (``s3://bucket/prefix``, or a bare path) on the filesystem ``fs``."""
+        unknown = sorted(set(options) - {"atomic_rename"})
+        if unknown:
+            raise TypeError(f"unknown options {unknown} for a store on an fsspec filesystem")
+        return cls(fs, url, url=url if "://" in url else None, **options)
+
     def _path(self, key: str) -> str:
         return f"{self._root}/{check_key(key)}"
 
@@ -103,16 +132,29 @@ class FsspecBlobStore(BlobStore):
         if end <= start:
             self.stat(key)  # an empty range of a missing blob still raises NotFound
             return b""
-        with self._errors("get_range", key):
-            return bytes(self.fs.cat_file(path, start=start, end=end))
+        try:
+            with self._errors("get_range", key):
+                return bytes(self.fs.cat_file(path, start=start, end=end))
+        except BackendError as e:
+            if isinstance(e, NotFound) or start < self.stat(key).size:
+                raise
+            return b""  # object stores (s3fs) refuse a range that starts past the end
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: Payload) -> None:
         path = self._path(key)
         with self._errors("put", key):
             self._write(path, data)
 
-    def _write(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        payload = bytes(data)
+    def put_if_absent(self, key: str, data: Payload) -> bool:
+        """``has``, then ``put``, under a per-key lock: create-only within this process only."""
+        with _CREATE_LOCKS[hash(key) % len(_CREATE_LOCKS)]:
+            if self.has(key):
+                return False
+            self.put(key, data)
+            return True
+
+    def _write(self, path: str, data: Payload) -> None:
+        payload = bytes(joined(data))
         if not self.atomic_rename:
             self.fs.pipe_file(path, payload)
             return
@@ -128,11 +170,6 @@ class FsspecBlobStore(BlobStore):
                 self.fs.rm_file(tmp)
             raise
 
-    def has(self, key: str) -> bool:
-        path = self._path(key)
-        with self._errors("has", key):
-            return bool(self.fs.isfile(path))
-
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
@@ -141,18 +178,12 @@ class FsspecBlobStore(BlobStore):
         except NotFound:
             return
 
-    def list(self, prefix: str = "") -> Iterator[str]:
-        for info in self._find(prefix):
-            yield info.key
-
     def list_info(self, prefix: str = "") -> Iterator[BlobInfo]:
-        yield from self._find(prefix)
-
-    def _find(self, prefix: str) -> Iterator[BlobInfo]:
         # Start at the deepest directory the prefix names so listing chunks/ab skips the rest.
         base_dir, _, _ = prefix.rpartition("/")
         base = f"{self._root}/{base_dir}" if base_dir else self._root or "/"
         root_len = len(self._root) + 1
+        self.fs.invalidate_cache(base)
         try:
             found = self.fs.find(base, withdirs=False, detail=True)
         except FileNotFoundError:
@@ -166,6 +197,7 @@ class FsspecBlobStore(BlobStore):
 
     def stat(self, key: str) -> BlobInfo:
         path = self._path(key)
+        self.fs.invalidate_cache(path)
         with self._errors("stat", key):
             info = self.fs.info(path)
         if info.get("type") != "file":
@@ -180,6 +212,8 @@ class FsspecBlobStore(BlobStore):
         """
         if isinstance(self.fs, LocalFileSystem):
             path = self._path(key)
+            if not self.has(key):  # utime would accept a directory
+                raise NotFound(f"no blob {key!r} in {self.url}")
             with self._errors("touch", key):
                 os.utime(self.fs._strip_protocol(path))
             return
@@ -195,9 +229,7 @@ class FsspecBlobStore(BlobStore):
         except NotFound:
             return None
 
-    def put_conditional(
-        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
-    ) -> Version:
+    def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         """Check-then-write under a process-wide lock; not safe across processes or hosts."""
         payload = bytes(data)
         with _CONDITIONAL_LOCK:
@@ -214,11 +246,6 @@ class FsspecBlobStore(BlobStore):
             if current != expected:
                 raise PreconditionFailed(f"{key!r} changed (expected {expected}, found {current})")
             self.delete(key)
-
-    @property
-    def supports_conditional_writes(self) -> bool:
-        """False: fsspec filesystems offer no compare-and-swap across processes."""
-        return False
 
 
 def _mtime(info: dict[str, Any]) -> float:

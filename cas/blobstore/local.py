@@ -11,8 +11,17 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from stat import S_ISREG
 
-from cas.blobstore.base import BlobInfo, BlobStore, Version, check_key
+from cas.blobstore.base import (
+    BlobInfo,
+    BlobStore,
+    BytesLike,
+    Payload,
+    Version,
+    check_key,
+    parts_of,
+)
 from cas.blobstore.direct import AlignedBuffers, DirectIOUnsupported, wants_direct, write_direct
 from cas.digest import digest_of
 from cas.errors import BackendError, NotFound, PreconditionFailed
@@ -21,12 +30,16 @@ TMP_DIR = "tmp"
 """Temporary files live here, never under a final name; GC removes stale ones."""
 LOCK_DIR = "tmp/locks"
 
+_MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+"""What opening a key that names no file raises: no file, a directory of blobs, or a path
+running through a blob as if it were a directory."""
+
 
 class LocalBlobStore(BlobStore):
     """Blobs as files below ``root``.
 
     ``put`` writes ``root/tmp/<random>.tmp``, fsyncs it and renames it over the final name, so a
-    crash leaves at most a stray temp file. ``put_new_parts`` writes the temp file the same way and
+    crash leaves at most a stray temp file. ``put_if_absent`` writes the temp file the same way and
     hard-links it to the final name, which fails if the name exists. Directories touched by
     ``put`` are fsynced by ``sync``; conditional writes hold an ``flock`` on a per-key lock file
     and fsync at once.
@@ -62,9 +75,7 @@ class LocalBlobStore(BlobStore):
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except FileNotFoundError as e:
-            raise NotFound(f"no blob {key!r}") from e
-        except IsADirectoryError as e:
+        except _MISSING as e:
             raise NotFound(f"no blob {key!r}") from e
         except OSError as e:
             raise BackendError(f"reading {path}: {e.strerror}") from e
@@ -75,44 +86,23 @@ class LocalBlobStore(BlobStore):
             with open(path, "rb") as f:
                 f.seek(start)
                 return f.read(max(0, end - start))
-        except FileNotFoundError as e:
+        except _MISSING as e:
             raise NotFound(f"no blob {key!r}") from e
         except OSError as e:
             raise BackendError(f"reading {path}: {e.strerror}") from e
-
-    def read_into(self, key: str, start: int, out: memoryview) -> int:
-        return self.read_into_parts(key, start, [out])
-
-    def read_into_parts(self, key: str, start: int, outs: Sequence[memoryview]) -> int:
-        """One open and, in the common case, one ``preadv`` filling every buffer in order."""
-        path = self._path(key)
-        wanted = sum(len(out) for out in outs)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as e:
-            raise NotFound(f"no blob {key!r}") from e
-        except OSError as e:
-            raise BackendError(f"reading {path}: {e.strerror}") from e
-        try:
-            total = 0
-            while total < wanted:
-                n = os.preadv(fd, _remaining(outs, total), start + total)
-                if not n:
-                    break
-                total += n
-            return total
-        except OSError as e:
-            raise BackendError(f"reading {path}: {e.strerror}") from e
-        finally:
-            os.close(fd)
 
     @property
-    def reads_in_place(self) -> bool:
+    def local_root(self) -> Path:
+        return self.root
+
+    @property
+    def supports_rename(self) -> bool:
         return True
 
-    def path_of(self, key: str) -> Path:
-        """The file holding ``key`` (for mmap); it may not exist."""
-        return self._path(key)
+    @property
+    def supports_conditional_writes(self) -> bool:
+        """True: ``link`` creates only if absent, and compare-and-swap holds an ``flock``."""
+        return True
 
     def _ensure_parent(self, path: Path) -> None:
         parent = path.parent
@@ -140,7 +130,7 @@ class LocalBlobStore(BlobStore):
         """Whether large blobs are still written with ``O_DIRECT`` (off once the filesystem refused)."""
         return self._direct_io
 
-    def _write_temp(self, *parts: bytes | bytearray | memoryview, fsync: bool = True) -> Path:
+    def _write_temp(self, *parts: BytesLike, fsync: bool = True) -> Path:
         tmp = self.root / TMP_DIR / f"{uuid.uuid4().hex}.tmp"
         fsync = fsync and self._fsync
         if self._direct_io:
@@ -167,20 +157,15 @@ class LocalBlobStore(BlobStore):
         os.close(fd)
         return tmp
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        self.put_parts(key, (data,))
+    def put(self, key: str, data: Payload) -> None:
+        self._replace(key, parts_of(data), durable=True)
 
-    def put_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-        self._replace(key, parts, durable=True)
-
-    def put_transient(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put_transient(self, key: str, data: BytesLike) -> None:
         """Atomic and visible to other processes at once, like ``put``, but with neither the file's
         nor its directory's fsync: a checkpoint save writes a lease, and no crash needs one."""
         self._replace(key, (data,), durable=False)
 
-    def _replace(
-        self, key: str, parts: Sequence[bytes | bytearray | memoryview], *, durable: bool
-    ) -> None:
+    def _replace(self, key: str, parts: Sequence[BytesLike], *, durable: bool) -> None:
         """Write a temp file and rename it over ``key``; a durable write's directory is fsynced
         by the next ``sync``."""
         path = self._path(key)
@@ -193,7 +178,7 @@ class LocalBlobStore(BlobStore):
             with self._dirty_lock:
                 self._dirty_dirs.add(path.parent)
 
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+    def put_if_absent(self, key: str, data: Payload) -> bool:
         """Create-only, atomic across processes: ``link`` never replaces an existing name.
 
         Durable after ``sync``, like ``put``: the temp file is fsynced before it is linked, and
@@ -202,7 +187,7 @@ class LocalBlobStore(BlobStore):
         path = self._path(key)
         try:
             self._ensure_parent(path)
-            tmp = self._write_temp(*parts)
+            tmp = self._write_temp(*parts_of(data))
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -222,14 +207,11 @@ class LocalBlobStore(BlobStore):
             for directory in dirs:
                 _fsync_dir(directory)
 
-    def has(self, key: str) -> bool:
-        return self._path(key).is_file()
-
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
             path.unlink()
-        except FileNotFoundError:
+        except _MISSING:
             return
         except OSError as e:
             raise BackendError(f"deleting {path}: {e.strerror}") from e
@@ -274,14 +256,19 @@ class LocalBlobStore(BlobStore):
     def stat(self, key: str) -> BlobInfo:
         try:
             st = self._path(key).stat()
-        except FileNotFoundError as e:
+        except _MISSING as e:
             raise NotFound(f"no blob {key!r}") from e
+        if not S_ISREG(st.st_mode):
+            raise NotFound(f"no blob {key!r}: a directory of blobs")
         return BlobInfo(key, st.st_size, st.st_mtime)
 
     def touch(self, key: str) -> None:
+        path = self._path(key)
+        if path.is_dir():
+            raise NotFound(f"no blob {key!r}: a directory of blobs")
         try:
-            os.utime(self._path(key))
-        except FileNotFoundError as e:
+            os.utime(path)
+        except _MISSING as e:
             raise NotFound(f"no blob {key!r}") from e
 
     @contextmanager
@@ -299,16 +286,14 @@ class LocalBlobStore(BlobStore):
         try:
             with open(path, "rb") as f:
                 return Version(digest_of(f.read()))
-        except FileNotFoundError:
+        except _MISSING:
             return None
 
     def get_versioned(self, key: str) -> tuple[bytes, Version]:
         data = self.get(key)
         return data, Version(digest_of(data))
 
-    def put_conditional(
-        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
-    ) -> Version:
+    def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         path = self._path(key)
         with self._key_lock(key):
             current = self._current_version(path)
@@ -347,15 +332,3 @@ def _fsync_dir(directory: Path) -> None:
             raise
     finally:
         os.close(fd)
-
-
-def _remaining(outs: Sequence[memoryview], done: int) -> list[memoryview]:
-    """The parts of ``outs`` after the first ``done`` bytes (a short read resumes here)."""
-    rest: list[memoryview] = []
-    for out in outs:
-        if done >= len(out):
-            done -= len(out)
-            continue
-        rest.append(out[done:] if done else out)
-        done = 0
-    return rest

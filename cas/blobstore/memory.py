@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
-from cas.blobstore.base import BlobInfo, BlobStore, Version, check_key
+from cas.blobstore.base import BlobInfo, BlobStore, BytesLike, Payload, Version, check_key, joined
 from cas.errors import NotFound, PreconditionFailed
 
 
@@ -39,30 +39,31 @@ class MemoryBlobStore(BlobStore):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.get(key)[start:end]
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: Payload) -> None:
+        blob = bytes(joined(data))
         with self._lock:
-            self._store(check_key(key), bytes(data))
+            self._store(check_key(key), blob)
 
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
-        data = b"".join(parts)
+    def put_if_absent(self, key: str, data: Payload) -> bool:
+        blob = bytes(joined(data))
         with self._lock:
             if check_key(key) in self._blobs:
                 return False
-            self._store(key, data)
+            self._store(key, blob)
         return True
-
-    def has(self, key: str) -> bool:
-        with self._lock:
-            return check_key(key) in self._blobs
 
     def delete(self, key: str) -> None:
         with self._lock:
             self._blobs.pop(check_key(key), None)
 
-    def list(self, prefix: str = "") -> Iterator[str]:
+    def list_info(self, prefix: str = "") -> Iterator[BlobInfo]:
         with self._lock:
-            keys = [k for k in self._blobs if k.startswith(prefix)]
-        yield from keys
+            found = [
+                BlobInfo(key, len(data), mtime)
+                for key, (data, mtime, _) in self._blobs.items()
+                if key.startswith(prefix)
+            ]
+        yield from found
 
     def stat(self, key: str) -> BlobInfo:
         with self._lock:
@@ -79,9 +80,7 @@ class MemoryBlobStore(BlobStore):
             data, _, version = self._entry(key)
         return data, version
 
-    def put_conditional(
-        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
-    ) -> Version:
+    def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         with self._lock:
             current = self._blobs.get(check_key(key))
             current_version = current[2] if current else None
@@ -95,3 +94,8 @@ class MemoryBlobStore(BlobStore):
             if current is None or current[2] != expected:
                 raise PreconditionFailed(f"{key!r} changed")
             del self._blobs[key]
+
+    @property
+    def supports_conditional_writes(self) -> bool:
+        """True: one process holds the only copy, and one lock guards it."""
+        return True

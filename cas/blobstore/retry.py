@@ -12,7 +12,7 @@ written by several writers (refs) carry something unique to the writer, such as 
 timestamp. ``delete_conditional`` likewise treats "already gone" after a transient failure as
 success.
 
-``put_new_parts`` (create-only chunk writes) has the same ambiguity: a retry after an attempt that
+``put_if_absent`` (create-only chunk writes) has the same ambiguity: a retry after an attempt that
 did land finds the key taken and the inner store answers False. So after a transient failure a
 False is checked the same way: if the blob holds exactly the bytes we sent, True is returned. The
 True may then come from another writer that stored the very same bytes first, which for a chunk
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from cas.blobstore.base import BlobInfo, BlobStore, Version
+from cas.blobstore.base import BlobInfo, BlobStore, BytesLike, Payload, Version, joined
+from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.errors import NotFound, PreconditionFailed, TransientBackendError
 
 T = TypeVar("T")
@@ -54,8 +55,11 @@ class RetryPolicy:
         return rng.uniform(0.0, cap)
 
 
-class RetryingBlobStore(BlobStore):
-    """Passes every call to ``inner``, retrying ``TransientBackendError`` per ``policy``."""
+class RetryingBlobStore(BlobStoreWrapper):
+    """Passes every call to ``inner``, retrying ``TransientBackendError`` per ``policy``.
+
+    Every operation is overridden (each may fail transiently); capabilities are forwarded.
+    """
 
     def __init__(
         self,
@@ -65,8 +69,7 @@ class RetryingBlobStore(BlobStore):
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
     ) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.policy = policy or RetryPolicy()
         self._sleep = sleep
         self._rng = rng or random.Random()
@@ -88,23 +91,26 @@ class RetryingBlobStore(BlobStore):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self._call(lambda: self.inner.get_range(key, start, end))
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: Payload) -> None:
         self._call(lambda: self.inner.put(key, data))
 
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
+    def put_transient(self, key: str, data: BytesLike) -> None:
+        self._call(lambda: self.inner.put_transient(key, data))
+
+    def put_if_absent(self, key: str, data: Payload) -> bool:
         """Retry the create-only put; see the module docstring for the ambiguous-failure rule."""
         failed_transiently = False
 
         def attempt() -> bool:
             nonlocal failed_transiently
             try:
-                created = self.inner.put_new_parts(key, parts)
+                created = self.inner.put_if_absent(key, data)
             except TransientBackendError:
                 failed_transiently = True
                 raise
             if created or not failed_transiently:
                 return created
-            return self._version_if_holding(key, b"".join(parts)) is not None
+            return self._version_if_holding(key, joined(data)) is not None
 
         return self._call(attempt)
 
@@ -134,9 +140,7 @@ class RetryingBlobStore(BlobStore):
     def get_versioned(self, key: str) -> tuple[bytes, Version]:
         return self._call(lambda: self.inner.get_versioned(key))
 
-    def put_conditional(
-        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
-    ) -> Version:
+    def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         """Retry the compare-and-swap; see the module docstring for the ambiguous-failure rule."""
         failed_transiently = False
 
@@ -155,7 +159,7 @@ class RetryingBlobStore(BlobStore):
 
         return self._call(attempt)
 
-    def _version_if_holding(self, key: str, data: bytes | bytearray | memoryview) -> Version | None:
+    def _version_if_holding(self, key: str, data: BytesLike) -> Version | None:
         """The blob's version if it holds exactly ``data``, else None."""
         try:
             current, version = self.inner.get_versioned(key)
@@ -179,10 +183,3 @@ class RetryingBlobStore(BlobStore):
                     raise
 
         self._call(attempt)
-
-    @property
-    def supports_conditional_writes(self) -> bool:
-        return self.inner.supports_conditional_writes
-
-    def close(self) -> None:
-        self.inner.close()

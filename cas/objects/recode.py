@@ -60,7 +60,7 @@ def recode_chunk(
         if dst.has_chunk(digest):
             return dst.put_chunk(data, codec_by_name("raw"), digest=digest)  # refreshes it
         blob = src.blobs.get(chunk_key(digest))
-        if not dst.blobs.put_new_parts(chunk_key(digest), (blob,)):
+        if not dst.blobs.put_if_absent(chunk_key(digest), blob):
             # Stored meanwhile by another writer, perhaps against another base: report that one.
             return dst.put_chunk(data, codec_by_name("raw"), digest=digest)
         return PutResult(digest, len(data), len(blob), True, base)

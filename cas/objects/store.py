@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore
+from cas.blobstore.bulk import read_into
 from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of, digest_of_parts
 from cas.errors import FormatError, IntegrityError, NotFound
@@ -156,7 +157,7 @@ class ObjectStore:
         params, payload = encoded if encoded is not None else codec.encode(view, hints)
         header = encode_header(codec, params, len(view))
         if replace:
-            self.blobs.put_parts(key, (header, payload))
+            self.blobs.put(key, (header, payload))
         else:
             outcome = self._create(key, (header, payload), freshen)
             if outcome is None:
@@ -166,7 +167,7 @@ class ObjectStore:
                     codec = codec_by_name("zstd")
                     params, payload = codec.encode(view, hints)
                     header = encode_header(codec, params, len(view))
-                self.blobs.put_parts(key, (header, payload))
+                self.blobs.put(key, (header, payload))
             elif not outcome[0]:
                 return PutResult(digest, len(view), 0, False, outcome[1])
         base = codec.base_of(params) if codec.needs_base else None
@@ -186,7 +187,7 @@ class ObjectStore:
         unreadable (damaged), or it vanished right after each lost create.
         """
         for _ in range(CREATE_ATTEMPTS):
-            if self.blobs.put_new_parts(key, parts):
+            if self.blobs.put_if_absent(key, parts):
                 return True, None
             present, base = self._stored_base(key)
             if present:
@@ -278,7 +279,7 @@ class ObjectStore:
         size = sum(len(out) for out in outs)
         if self.blobs.reads_in_place:
             header = memoryview(bytearray(HEADER_SIZE))
-            got = self.blobs.read_into_parts(key, 0, [header, *outs])
+            got = read_into(self.blobs, key, 0, [header, *outs])
             if got < HEADER_SIZE:
                 raise IntegrityError(f"chunk {digest} is corrupt: shorter than its header")
             # Only the fixed fields are here; other codecs' parameters follow and are checked
@@ -331,7 +332,7 @@ class ObjectStore:
         key = manifest_key(digest)
         if not self.blobs.has(key):
             params, payload = codec.encode(memoryview(data), EncodeHints(level=3))
-            self.blobs.put_parts(key, (encode_header(codec, params, len(data)), payload))
+            self.blobs.put(key, (encode_header(codec, params, len(data)), payload))
         else:
             self.blobs.touch(key)
         return digest

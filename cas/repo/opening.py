@@ -9,11 +9,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_blobstore
-from cas.errors import CASError, NotFound
+from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_for_use
+from cas.digest import parse_digest
+from cas.errors import FormatError, IntegrityError, NotFound
 from cas.objects.encoding import DeltaSettings
+from cas.objects.store import ObjectStore
 from cas.repo.config import StoreConfig, read_config, write_config
 from cas.repo.repository import Repository
+from cas.sync.transfer import verify_object
 
 STORE_ENV = "CAS_STORE"
 
@@ -45,16 +48,26 @@ def open(
     Remote stores (S3, fsspec) retry transient failures with backoff. ``cache="/dir"`` fronts a
     remote with a local cache of chunks and manifests (``cas.blobstore.cache``). Opening an S3 store for
     writing probes for conditional writes and refuses a server without them, unless
-    ``single_writer=True`` says no other process writes it.
+    ``single_writer=True`` says no other process writes it. ``filesystem=`` (an fsspec
+    filesystem, such as an ``s3fs.S3FileSystem`` configured elsewhere) opens ``url`` as a path
+    on that filesystem (``cas.blobstore.fsspec_store``).
     """
     cache = options.pop("cache", None)
     single_writer = bool(options.pop("single_writer", False))
-    blobs = open_blobstore(url if url is not None else default_store_url(), **options)
-    blobs = _guard_remote(blobs, readonly=readonly, single_writer=single_writer)
+    blobs = open_for_use(
+        url if url is not None else default_store_url(),
+        shared_writer=not (readonly or single_writer),
+        **options,
+    )
     if cache is not None:
         from cas.blobstore.cache import CachingBlobStore
 
-        blobs = CachingBlobStore(LocalBlobStore(Path(cache).expanduser()), blobs)
+        blobs = CachingBlobStore(
+            LocalBlobStore(Path(cache).expanduser()),
+            blobs,
+            prefixes=CACHED_PREFIXES,
+            verify=verify_cached_object,
+        )
     existing = read_config(blobs)
     if existing is None:
         if readonly or not create:
@@ -67,24 +80,21 @@ def open(
     return Repository(blobs, existing, clock=clock)
 
 
-def _guard_remote(blobs: BlobStore, *, readonly: bool, single_writer: bool) -> BlobStore:
-    """Wrap a remote store in retries; refuse S3 writers when the server cannot compare-and-swap."""
-    from cas.blobstore import MemoryBlobStore
-    from cas.blobstore.retry import RetryingBlobStore
+CACHED_PREFIXES = ("chunks/", "manifests/")
+"""What a local cache in front of a remote store holds: objects, whose keys name their content."""
+CACHED_OBJECT_MAX = (64 << 20) + 4096
+"""The largest object a cache fills from the remote: a full-size chunk and its header."""
 
-    if isinstance(blobs, (LocalBlobStore, MemoryBlobStore, RetryingBlobStore)):
-        return blobs
-    from cas.blobstore.s3 import S3BlobStore
 
-    writer = not (readonly or single_writer)
-    if isinstance(blobs, S3BlobStore):
-        blobs.check_bucket()
-    # The first supports_conditional_writes probes the server (three small requests).
-    if isinstance(blobs, S3BlobStore) and writer and not blobs.supports_conditional_writes:
-        raise CASError(
-            f"S3 endpoint {blobs.endpoint_url} ignores conditional writes (If-None-Match/"
-            f"If-Match), so concurrent writers to {blobs.url} could overwrite each other's "
-            "ref updates and delta chunks; use a server that enforces them (AWS S3, SeaweedFS, "
-            "MinIO), or open with single_writer=True if only one process ever writes this store"
-        )
-    return RetryingBlobStore(blobs)
+def verify_cached_object(through: BlobStore, key: str, blob: bytes) -> None:
+    """Raise IntegrityError unless ``blob`` decodes to bytes that hash to the digest ``key`` names.
+
+    A cache calls this on every miss, before it keeps a copy; delta bases are read ``through``
+    the cache, so they are verified (and cached) on their way too.
+    """
+    try:
+        digest = parse_digest(key.rpartition("/")[2])
+    except FormatError as e:
+        raise IntegrityError(f"{key} in {through.url} is no object: {e}") from e
+    what = "chunk" if key.startswith("chunks/") else "manifest"
+    verify_object(ObjectStore(through, max_object_size=CACHED_OBJECT_MAX), digest, blob, what=what)

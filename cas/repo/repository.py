@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore
+from cas.blobstore import BlobStore, touch_many
 from cas.codecs import Codec, codec_by_name
 from cas.digest import Digest, digest_of
 from cas.errors import CASError, FormatError, NotFound
@@ -399,11 +399,12 @@ class Repository(RefOperations):
     def _mmap_chunk(self, entry: TensorEntry) -> torch.Tensor | None:
         import torch
 
-        blobs = self.blobs.inner if isinstance(self.blobs, ReadOnlyBlobStore) else self.blobs
-        if not isinstance(blobs, LocalBlobStore) or len(entry.chunks) != 1 or entry.encoding:
+        if len(entry.chunks) != 1 or entry.encoding:
             return None
         digest = entry.chunks[0].digest
-        path = blobs.path_of(chunk_key(digest))
+        path = self.blobs.local_path(chunk_key(digest))
+        if path is None:
+            return None
         try:
             with path.open("rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -483,8 +484,8 @@ class Repository(RefOperations):
         parse_ref_name(dst)
         digest = self.resolve(src)
         manifest = decode_manifest(self.objects.get_manifest(digest))
-        missing = self.blobs.touch_many(
-            [manifest_key(digest), *map(chunk_key, manifest.chunk_digests())]
+        missing = touch_many(
+            self.blobs, [manifest_key(digest), *map(chunk_key, manifest.chunk_digests())]
         )
         if missing:
             raise NotFound(f"{missing[0]} is missing from the store: {src} is damaged")

@@ -20,8 +20,7 @@ from itertools import islice
 from pathlib import Path
 
 from cas.blobstore.base import BlobStore
-from cas.blobstore.local import TMP_DIR, LocalBlobStore
-from cas.blobstore.retry import RetryingBlobStore
+from cas.blobstore.local import TMP_DIR
 from cas.errors import NotFound
 from cas.retention.space import CHUNK_KEY_RE, MANIFEST_KEY_RE
 
@@ -94,10 +93,10 @@ class LocalSweeper(Sweeper):
     the object briefly absent (a reader then would get NotFound once); it is never lost.
     """
 
-    def __init__(self, blobs: BlobStore, store: LocalBlobStore) -> None:
+    def __init__(self, blobs: BlobStore, root: Path) -> None:
         super().__init__(blobs)
-        self.root = store.root
-        self.trash = store.root / TRASH_DIR
+        self.root = root
+        self.trash = root / TRASH_DIR
 
     def recover(self) -> int:
         restored = 0
@@ -195,11 +194,9 @@ class LocalSweeper(Sweeper):
 
 def sweeper_for(blobs: BlobStore) -> Sweeper:
     """The safest sweeper the store allows (read-only stores get one that fails on delete)."""
-    inner = blobs
-    while isinstance(inner, RetryingBlobStore):
-        inner = inner.inner
-    if isinstance(inner, LocalBlobStore):
-        return LocalSweeper(blobs, inner)
+    root = blobs.local_root
+    if root is not None and blobs.supports_rename:
+        return LocalSweeper(blobs, root)
     return Sweeper(blobs)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cas.blobstore.bulk import has_many
 from cas.digest import Digest
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
 from cas.model.manifest import Manifest, decode_manifest
@@ -101,7 +102,7 @@ def verify(
     if level == "structure":
         return report
     report.chunks = len(owners)
-    present = repo.blobs.has_many(chunk_key(d) for d in owners)
+    present = has_many(repo.blobs, (chunk_key(d) for d in owners))
     for digest, ref in owners.items():
         if not present[chunk_key(digest)]:
             report.problems.append(Problem(ref, "missing-chunk", digest))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cas.blobstore.base import BlobStore
+from cas.blobstore.bulk import has_many, touch_many
 from cas.codecs import codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of
 from cas.errors import BackendError, CASError, FormatError, IntegrityError, NotFound, RefConflict
@@ -232,7 +233,7 @@ def _transfer(
     _reconcile_chains(src, dst, [*skipped, *copier.lost], manifests, report, jobs)
     dst.blobs.sync()
 
-    present = dst.blobs.has_many([manifest_key(d) for d in manifests])
+    present = has_many(dst.blobs, [manifest_key(d) for d in manifests])
     for digest, (blob, _) in manifests.items():
         if present[manifest_key(digest)]:
             # It may be an unreferenced leftover: refresh it so GC's age check spares it.
@@ -323,7 +324,7 @@ def find_missing(blobs: BlobStore, keys: Sequence[str]) -> tuple[set[str], str]:
     listed to estimate the destination's density, and the cheaper method is used for the rest.
     """
     if len(keys) < LIST_MIN_KEYS:
-        present = blobs.has_many(keys)
+        present = has_many(blobs, keys)
         return {k for k, there in present.items() if not there}, "has"
     by_prefix: dict[str, list[str]] = {}
     for key in keys:
@@ -333,7 +334,7 @@ def find_missing(blobs: BlobStore, keys: Sequence[str]) -> tuple[set[str], str]:
     per_prefix = max(1, math.ceil(len(sample) / LIST_PAGE))
     list_requests = len(prefixes) * per_prefix
     if list_requests * 2 >= len(keys):
-        present = blobs.has_many(keys)
+        present = has_many(blobs, keys)
         return {k for k, there in present.items() if not there}, "has"
     listed = {prefixes[0]: sample}
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="cas-list") as pool:
@@ -355,7 +356,7 @@ def _freshen(dst: StoreSide, skipped: Iterable[Digest], jobs: int) -> None:
     manifest may move meanwhile, and the refs this transfer moves would then name a swept chunk.
     A chunk swept before its touch is stored again by ``_reconcile_chains``.
     """
-    dst.blobs.touch_many([chunk_key(d) for d in skipped], jobs)
+    touch_many(dst.blobs, [chunk_key(d) for d in skipped], jobs)
 
 
 def _reconcile_chains(
@@ -434,7 +435,7 @@ class _ChunkCopier:
             extra = sorted(self._bases - done)
             if not extra:
                 break
-            present = self.dst.blobs.has_many([chunk_key(d) for d in extra])
+            present = has_many(self.dst.blobs, [chunk_key(d) for d in extra])
             done.update(d for d in extra if present[chunk_key(d)])
             todo = [d for d in extra if not present[chunk_key(d)]]
 
@@ -483,7 +484,7 @@ class _ChunkCopier:
         base = codec_by_id(envelope.codec_id).base_of(envelope.params)
         # Create-only: a chunk a writer stored at the destination meanwhile, perhaps as a delta
         # against another base that its manifest records, must not be replaced.
-        created = self.dst.blobs.put_new_parts(key, (blob,))
+        created = self.dst.blobs.put_if_absent(key, blob)
         with self._lock:
             if base is not None:
                 self._bases.add(base)

@@ -5,7 +5,19 @@ import pytest
 # Asserts in the shared suite get pytest's detailed failure messages only if rewritten on import.
 pytest.register_assert_rewrite("cas.testing.conformance")
 
-from cas.testing.conformance import BlobStoreConformance, ManualClock  # noqa: E402
+from cas.testing.conformance import (  # noqa: E402
+    BlobStoreConformance,
+    BlobStoreReadConformance,
+    ManualClock,
+    ReadOnlyConformance,
+)
 from cas.testing.seaweed import SeaweedServer, find_weed  # noqa: E402
 
-__all__ = ["BlobStoreConformance", "ManualClock", "SeaweedServer", "find_weed"]
+__all__ = [
+    "BlobStoreConformance",
+    "BlobStoreReadConformance",
+    "ManualClock",
+    "ReadOnlyConformance",
+    "SeaweedServer",
+    "find_weed",
+]

@@ -1,4 +1,4 @@
-"""BlobStoreConformance: the one test suite every BlobStore backend and wrapper must pass.
+"""The BlobStore contract as tests: every backend and wrapper runs them as a one-line subclass.
 
 A backend's test is a subclass that says how to make a fresh, empty store::
 
@@ -10,6 +10,9 @@ A backend's test is a subclass that says how to make a fresh, empty store::
 fixture (for example a per-test S3 URL). The compare-and-swap and racing create-only tests run
 only where ``supports_conditional_writes`` is true, unless the subclass sets
 ``conditional_writes = True`` for a backend whose compare-and-swap is safe within one process only.
+
+``BlobStoreReadConformance`` is the read half (it stores its fixtures through ``writer(store)``);
+``ReadOnlyConformance`` runs it on a read-only view and checks that every write is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from typing import Any
 import pytest
 
 from cas.blobstore.base import BlobStore
-from cas.errors import InvalidName, NotFound, PreconditionFailed
+from cas.blobstore.bulk import has_many, read_into, touch_many
+from cas.blobstore.wrapper import WRITE_METHODS, BlobStoreWrapper
+from cas.errors import InvalidName, NotFound, PreconditionFailed, ReadOnlyError
 
 MiB = 1 << 20
 INVALID_KEYS = ("../x", "/abs", "a//b", "a\x00b", "", "a/", "./x", "a/../b")
@@ -54,8 +59,8 @@ def _blob(size: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-class BlobStoreConformance(abc.ABC):
-    """The BlobStore contract as tests; subclass it and implement ``make_store``."""
+class BlobStoreReadConformance(abc.ABC):
+    """What every store answers about blobs stored in it; subclass it and implement ``make_store``."""
 
     conditional_writes: bool | None = None
     """None: test compare-and-swap only if the store supports it; True: test it regardless."""
@@ -68,6 +73,10 @@ class BlobStoreConformance(abc.ABC):
     @abc.abstractmethod
     def make_store(self) -> BlobStore:
         """A fresh, empty store; called once per test."""
+
+    def writer(self, store: BlobStore) -> BlobStore:
+        """The handle the tests store their fixtures through: the store itself by default."""
+        return store
 
     def fixture(self, name: str) -> Any:
         """The value of another pytest fixture, for ``make_store``."""
@@ -93,22 +102,164 @@ class BlobStoreConformance(abc.ABC):
             pytest.skip(f"{type(store).__name__} does not support conditional writes")
 
     @pytest.mark.parametrize("size", [0, 1, 5 * MiB], ids=["empty", "one-byte", "5MiB"])
-    def test_put_then_get_returns_the_same_bytes(self, store: BlobStore, size: int) -> None:
+    def test_get_returns_the_stored_bytes(self, store: BlobStore, size: int) -> None:
         data = _blob(size, seed=size)
-        store.put("chunks/blob", data)
+        self.writer(store).put("chunks/blob", data)
         assert store.get("chunks/blob") == data
 
-    def test_put_accepts_bytearray_and_memoryview(self, store: BlobStore) -> None:
+    def test_get_range_returns_the_slice_clamped_to_the_blob(self, store: BlobStore) -> None:
+        data = bytes(range(256)) * 4
+        self.writer(store).put("chunks/r", data)
+        assert store.get_range("chunks/r", 0, 10) == data[:10]
+        assert store.get_range("chunks/r", 500, 600) == data[500:600]
+        assert store.get_range("chunks/r", 1000, 1024) == data[1000:]
+        assert store.get_range("chunks/r", 1000, 5000) == data[1000:]
+        assert store.get_range("chunks/r", 2000, 3000) == b""
+        assert store.get_range("chunks/r", 7, 7) == b""
+
+    def test_get_range_of_an_empty_blob_is_empty(self, store: BlobStore) -> None:
+        self.writer(store).put("chunks/empty", b"")
+        assert store.get_range("chunks/empty", 0, 10) == b""
+
+    def test_a_missing_key_raises_not_found(self, store: BlobStore) -> None:
+        calls: dict[str, Callable[[], object]] = {
+            "get": lambda: store.get("chunks/missing"),
+            "get_range": lambda: store.get_range("chunks/missing", 0, 10),
+            "get_range empty": lambda: store.get_range("chunks/missing", 3, 3),
+            "stat": lambda: store.stat("chunks/missing"),
+            "get_versioned": lambda: store.get_versioned("chunks/missing"),
+            "read_into": lambda: read_into(store, "chunks/missing", 0, [memoryview(bytearray(4))]),
+        }
+        for name, call in calls.items():
+            with pytest.raises(NotFound) as caught:
+                call()
+            assert isinstance(caught.value, FileNotFoundError), name
+        assert not store.has("chunks/missing")
+        assert list(store.list("chunks/")) == []
+
+    def test_a_prefix_of_other_keys_is_no_blob(self, store: BlobStore) -> None:
+        self.writer(store).put("chunks/ab/cd", b"the only blob")
+        for directory in ("chunks", "chunks/ab"):
+            assert not store.has(directory)
+            for call in (store.get, store.stat, store.get_versioned):
+                with pytest.raises(NotFound):
+                    call(directory)
+            with pytest.raises(NotFound):
+                store.get_range(directory, 0, 10)
+        assert list(store.list("chunks")) == ["chunks/ab/cd"]
+        assert [info.key for info in store.list_info("")] == ["chunks/ab/cd"]
+
+    def test_list_yields_keys_by_plain_string_prefix(self, store: BlobStore) -> None:
+        keys = {"chunks/ab/1", "chunks/ab/2", "chunks/ac/3", "chunks/b/4", "refs/main", "top"}
+        for key in keys:
+            self.writer(store).put(key, key.encode())
+        assert set(store.list()) == keys
+        assert set(store.list("")) == keys
+        assert set(store.list("chunks/")) == {k for k in keys if k.startswith("chunks/")}
+        assert set(store.list("chunks/a")) == {"chunks/ab/1", "chunks/ab/2", "chunks/ac/3"}
+        assert set(store.list("chunks/ab/")) == {"chunks/ab/1", "chunks/ab/2"}
+        assert set(store.list("chunks/ab/1")) == {"chunks/ab/1"}
+        assert set(store.list("t")) == {"top"}
+        assert list(store.list("nothing/")) == []
+        listed = list(store.list())
+        assert len(listed) == len(set(listed))  # each blob once
+
+    def test_list_info_reports_every_size(self, store: BlobStore) -> None:
+        sizes = {"chunks/a": 0, "chunks/b": 1, "chunks/c": 1000, "other/d": 5}
+        for key, size in sizes.items():
+            self.writer(store).put(key, b"z" * size)
+        infos = {info.key: info for info in store.list_info("chunks/")}
+        assert {key: info.size for key, info in infos.items()} == {
+            k: v for k, v in sizes.items() if k.startswith("chunks/")
+        }
+        assert all(info.mtime > 0 for info in infos.values())
+
+    def test_stat_reports_size_and_mtime(self, store: BlobStore) -> None:
+        self.writer(store).put("chunks/s", b"12345")
+        info = store.stat("chunks/s")
+        assert (info.key, info.size) == ("chunks/s", 5)
+        assert info.mtime > 0
+
+    def test_has_many_answers_for_every_key(self, store: BlobStore) -> None:
+        self.writer(store).put("chunks/1", b"1")
+        self.writer(store).put("chunks/3", b"3")
+        keys = [f"chunks/{i}" for i in range(6)]
+        assert has_many(store, keys) == {key: key in ("chunks/1", "chunks/3") for key in keys}
+        assert has_many(store, keys[:2]) == {"chunks/0": False, "chunks/1": True}
+
+    def test_an_unchanged_blob_keeps_its_version(self, store: BlobStore) -> None:
+        self.writer(store).put("refs/v", b"same bytes")
+        first = store.get_versioned("refs/v")
+        assert store.get_versioned("refs/v") == first == (b"same bytes", first[1])
+
+    def test_read_into_fills_the_buffers_in_order_and_stops_at_the_end(
+        self, store: BlobStore
+    ) -> None:
+        data = _blob(10_000, seed=3)
+        self.writer(store).put("chunks/r", data)
+        head, body, tail = (memoryview(bytearray(n)) for n in (16, 4000, 8000))
+        assert read_into(store, "chunks/r", 0, [head, body, tail]) == len(data)
+        assert bytes(head) + bytes(body) + bytes(tail[: len(data) - 4016]) == data
+        out = memoryview(bytearray(100))
+        assert read_into(store, "chunks/r", 9950, [out]) == 50
+        assert bytes(out[:50]) == data[9950:]
+        assert read_into(store, "chunks/r", 20_000, [out]) == 0
+
+    def test_local_files_are_where_local_root_says(self, store: BlobStore) -> None:
+        self.writer(store).put("chunks/ab/f", b"in a file")
+        root = store.local_root
+        path = store.local_path("chunks/ab/f")
+        assert store.reads_in_place == (root is not None)
+        if root is None:
+            assert path is None
+            assert not store.supports_rename
+            return
+        assert path == root / "chunks" / "ab" / "f"
+        assert path.read_bytes() == b"in a file"
+
+    @pytest.mark.parametrize("key", INVALID_KEYS, ids=repr)
+    def test_unsafe_keys_are_refused_by_reads(self, store: BlobStore, key: str) -> None:
+        calls: dict[str, Callable[[], object]] = {
+            "get": lambda: store.get(key),
+            "get_range": lambda: store.get_range(key, 0, 1),
+            "has": lambda: store.has(key),
+            "stat": lambda: store.stat(key),
+            "get_versioned": lambda: store.get_versioned(key),
+        }
+        for name, call in calls.items():
+            with pytest.raises(InvalidName):
+                call()
+                pytest.fail(f"{name}({key!r}) was accepted")
+
+
+class BlobStoreConformance(BlobStoreReadConformance):
+    """The whole BlobStore contract: what the read half checks, and every kind of write."""
+
+    def test_put_accepts_bytearray_memoryview_and_parts(self, store: BlobStore) -> None:
         store.put("a", bytearray(b"from bytearray"))
         store.put("b", memoryview(b"xx from memoryview xx")[3:-3])
+        store.put("c", (b"from ", bytearray(b"several "), memoryview(b"xxparts")[2:]))
+        store.put("d", [])
         assert store.get("a") == b"from bytearray"
         assert store.get("b") == b"from memoryview"
+        assert store.get("c") == b"from several parts"
+        assert store.get("d") == b""
 
     def test_put_overwrites_the_previous_blob(self, store: BlobStore) -> None:
         store.put("refs/head", b"first version, longer")
         store.put("refs/head", b"second")
         assert store.get("refs/head") == b"second"
         assert store.stat("refs/head").size == len(b"second")
+
+    def test_a_large_blob_is_stored_whole(self, store: BlobStore) -> None:
+        # Above the part size a backend may send in pieces (S3: multipart uploads, ranged GETs).
+        data = _blob(12 * MiB + 5, seed=12)
+        store.put("chunks/large", (data[:100], memoryview(data)[100:]))
+        assert store.get("chunks/large") == data
+        assert store.stat("chunks/large").size == len(data)
+        assert store.put_if_absent("chunks/large-new", data) is True
+        assert store.put_if_absent("chunks/large-new", _blob(12 * MiB + 5, seed=13)) is False
+        assert store.get("chunks/large-new") == data
 
     def test_readers_never_see_a_partial_overwrite(self, store: BlobStore) -> None:
         versions = {i: bytes([i]) * (4 * MiB) for i in range(1, 7)}
@@ -153,36 +304,6 @@ class BlobStoreConformance(abc.ABC):
             assert key in set(store.list("chunks/"))
             assert store.get(key) == b"x" * i
 
-    def test_get_range_returns_the_slice_clamped_to_the_blob(self, store: BlobStore) -> None:
-        data = bytes(range(256)) * 4
-        store.put("chunks/r", data)
-        assert store.get_range("chunks/r", 0, 10) == data[:10]
-        assert store.get_range("chunks/r", 500, 600) == data[500:600]
-        assert store.get_range("chunks/r", 1000, 1024) == data[1000:]
-        assert store.get_range("chunks/r", 1000, 5000) == data[1000:]
-        assert store.get_range("chunks/r", 2000, 3000) == b""
-        assert store.get_range("chunks/r", 7, 7) == b""
-
-    def test_get_range_of_an_empty_blob_is_empty(self, store: BlobStore) -> None:
-        store.put("chunks/empty", b"")
-        assert store.get_range("chunks/empty", 0, 10) == b""
-
-    def test_a_missing_key_raises_not_found(self, store: BlobStore) -> None:
-        calls: dict[str, Callable[[], object]] = {
-            "get": lambda: store.get("chunks/missing"),
-            "get_range": lambda: store.get_range("chunks/missing", 0, 10),
-            "get_range empty": lambda: store.get_range("chunks/missing", 3, 3),
-            "stat": lambda: store.stat("chunks/missing"),
-            "get_versioned": lambda: store.get_versioned("chunks/missing"),
-            "touch": lambda: store.touch("chunks/missing"),
-        }
-        for name, call in calls.items():
-            with pytest.raises(NotFound) as caught:
-                call()
-            assert isinstance(caught.value, FileNotFoundError), name
-        assert not store.has("chunks/missing")
-        assert list(store.list("chunks/")) == []
-
     def test_delete_removes_the_blob_and_is_idempotent(self, store: BlobStore) -> None:
         store.put("chunks/d", b"doomed")
         store.delete("chunks/d")
@@ -192,43 +313,9 @@ class BlobStoreConformance(abc.ABC):
         store.delete("chunks/d")
         store.delete("never/existed")
 
-    def test_list_yields_keys_by_plain_string_prefix(self, store: BlobStore) -> None:
-        keys = {"chunks/ab/1", "chunks/ab/2", "chunks/ac/3", "chunks/b/4", "refs/main", "top"}
-        for key in keys:
-            store.put(key, key.encode())
-        assert set(store.list()) == keys
-        assert set(store.list("")) == keys
-        assert set(store.list("chunks/")) == {k for k in keys if k.startswith("chunks/")}
-        assert set(store.list("chunks/a")) == {"chunks/ab/1", "chunks/ab/2", "chunks/ac/3"}
-        assert set(store.list("chunks/ab/")) == {"chunks/ab/1", "chunks/ab/2"}
-        assert set(store.list("chunks/ab/1")) == {"chunks/ab/1"}
-        assert set(store.list("t")) == {"top"}
-        assert list(store.list("nothing/")) == []
-
-    def test_list_info_reports_every_size(self, store: BlobStore) -> None:
-        sizes = {"chunks/a": 0, "chunks/b": 1, "chunks/c": 1000, "other/d": 5}
-        for key, size in sizes.items():
-            store.put(key, b"z" * size)
-        infos = {info.key: info for info in store.list_info("chunks/")}
-        assert {key: info.size for key, info in infos.items()} == {
-            k: v for k, v in sizes.items() if k.startswith("chunks/")
-        }
-        assert all(info.mtime > 0 for info in infos.values())
-
-    def test_stat_reports_size_and_mtime(self, store: BlobStore) -> None:
-        store.put("chunks/s", b"12345")
-        info = store.stat("chunks/s")
-        assert (info.key, info.size) == ("chunks/s", 5)
-        assert info.mtime > 0
-
-    def test_has_many_answers_for_every_key(self, store: BlobStore) -> None:
-        store.put("chunks/1", b"1")
-        store.put("chunks/3", b"3")
-        keys = [f"chunks/{i}" for i in range(6)]
-        assert store.has_many(keys) == {key: key in ("chunks/1", "chunks/3") for key in keys}
-
-    def test_touch_moves_mtime_forward_and_keeps_the_bytes(self, store: BlobStore) -> None:
+    def test_touch_moves_mtime_forward_and_keeps_bytes_and_version(self, store: BlobStore) -> None:
         store.put("chunks/t", b"keep me")
+        _, version = store.get_versioned("chunks/t")
         before = store.stat("chunks/t").mtime
         if self.clock is not None:
             self.clock.advance(60.0)
@@ -240,21 +327,46 @@ class BlobStoreConformance(abc.ABC):
             store.touch("chunks/t")
             after = store.stat("chunks/t").mtime
         assert after > before
-        assert store.get("chunks/t") == b"keep me"
+        assert store.get_versioned("chunks/t") == (b"keep me", version)
 
-    def test_put_new_parts_creates_once_and_keeps_the_first_bytes(self, store: BlobStore) -> None:
+    def test_touching_a_missing_key_raises_not_found(self, store: BlobStore) -> None:
+        store.put("chunks/ab/present", b"x")
+        for key in ("chunks/missing", "chunks/ab"):
+            with pytest.raises(NotFound) as caught:
+                store.touch(key)
+            assert isinstance(caught.value, FileNotFoundError)
+        assert touch_many(store, ["chunks/ab/present", "chunks/gone", "chunks/ab"]) == [
+            "chunks/gone",
+            "chunks/ab",
+        ]
+        assert list(store.list()) == ["chunks/ab/present"]
+
+    def test_dropping_a_cached_copy_loses_nothing(self, store: BlobStore) -> None:
+        store.put("chunks/c", b"stored once")
+        store.get("chunks/c")
+        assert isinstance(store.drop_cached("chunks/c"), bool)
+        assert store.get("chunks/c") == b"stored once"
+        assert store.drop_cached("chunks/never") is False
+
+    def test_put_if_absent_creates_once_and_keeps_the_first_bytes(self, store: BlobStore) -> None:
         first = (b"first ", bytearray(b"writer's "), memoryview(b"xx bytes xx")[3:-3])
-        assert store.put_new_parts("chunks/ab/new", first) is True
+        assert store.put_if_absent("chunks/ab/new", first) is True
         assert store.get("chunks/ab/new") == b"first writer's bytes"
-        assert store.put_new_parts("chunks/ab/new", (b"second",)) is False
+        assert store.put_if_absent("chunks/ab/new", b"second") is False
         assert store.get("chunks/ab/new") == b"first writer's bytes"
         assert store.stat("chunks/ab/new").size == len(b"first writer's bytes")
         store.put("chunks/ab/old", b"put first")
-        assert store.put_new_parts("chunks/ab/old", (b"created later",)) is False
+        assert store.put_if_absent("chunks/ab/old", (b"created later",)) is False
         assert store.get("chunks/ab/old") == b"put first"
         assert set(store.list("chunks/")) == {"chunks/ab/new", "chunks/ab/old"}
 
-    def test_racing_put_new_parts_has_exactly_one_winner(self, store: BlobStore) -> None:
+    def test_a_deleted_key_can_be_created_again(self, store: BlobStore) -> None:
+        assert store.put_if_absent("chunks/again", b"one") is True
+        store.delete("chunks/again")
+        assert store.put_if_absent("chunks/again", b"two") is True
+        assert store.get("chunks/again") == b"two"
+
+    def test_racing_put_if_absent_has_exactly_one_winner(self, store: BlobStore) -> None:
         self.require_conditional_writes(store)
         writers, rounds = 8, 4
         for round_ in range(rounds):
@@ -264,7 +376,7 @@ class BlobStoreConformance(abc.ABC):
             def create(writer: int, key: str = key, start: threading.Barrier = start) -> bool:
                 payload = (f"writer {writer} ".encode(), _blob(256 << 10, seed=writer))
                 start.wait()
-                return store.put_new_parts(key, payload)
+                return store.put_if_absent(key, payload)
 
             with ThreadPoolExecutor(writers) as pool:
                 created = list(pool.map(create, range(writers)))
@@ -334,19 +446,52 @@ class BlobStoreConformance(abc.ABC):
         assert int(store.get("refs/counter").split()[0]) == writers * increments
 
     @pytest.mark.parametrize("key", INVALID_KEYS, ids=repr)
-    def test_unsafe_keys_are_refused(self, store: BlobStore, key: str) -> None:
+    def test_unsafe_keys_are_refused_by_writes(self, store: BlobStore, key: str) -> None:
         calls: dict[str, Callable[[], object]] = {
             "put": lambda: store.put(key, b"x"),
-            "get": lambda: store.get(key),
-            "get_range": lambda: store.get_range(key, 0, 1),
-            "has": lambda: store.has(key),
-            "stat": lambda: store.stat(key),
-            "delete": lambda: store.delete(key),
+            "put_transient": lambda: store.put_transient(key, b"x"),
+            "put_if_absent": lambda: store.put_if_absent(key, (b"x",)),
             "put_conditional": lambda: store.put_conditional(key, b"x", None),
-            "put_new_parts": lambda: store.put_new_parts(key, (b"x",)),
+            "touch": lambda: store.touch(key),
+            "delete": lambda: store.delete(key),
         }
         for name, call in calls.items():
             with pytest.raises(InvalidName):
                 call()
                 pytest.fail(f"{name}({key!r}) was accepted")
         assert list(store.list()) == []
+
+
+class ReadOnlyConformance(BlobStoreReadConformance):
+    """A read-only view (``make_store`` returns a wrapper of a writable store): it answers every
+    read like the store beneath it, and refuses every write with ReadOnlyError."""
+
+    def writer(self, store: BlobStore) -> BlobStore:
+        assert isinstance(store, BlobStoreWrapper)
+        return store.inner
+
+    def test_every_write_is_refused_and_changes_nothing(self, store: BlobStore) -> None:
+        beneath = self.writer(store)
+        beneath.put("refs/main", b"before")
+        _, version = beneath.get_versioned("refs/main")
+        mtime = beneath.stat("refs/main").mtime
+        writes: dict[str, Callable[[], object]] = {
+            "put": lambda: store.put("refs/main", b"after"),
+            "put_if_absent": lambda: store.put_if_absent("chunks/new", (b"x",)),
+            "put_transient": lambda: store.put_transient("leases/w", b"x"),
+            "put_conditional": lambda: store.put_conditional("refs/main", b"after", version),
+            "touch": lambda: store.touch("refs/main"),
+            "delete": lambda: store.delete("refs/main"),
+            "delete_conditional": lambda: store.delete_conditional("refs/main", version),
+        }
+        assert set(writes) == set(WRITE_METHODS)
+        for name, write in writes.items():
+            with pytest.raises(ReadOnlyError):
+                write()
+                pytest.fail(f"{name} was accepted")
+        assert beneath.get_versioned("refs/main") == (b"before", version)
+        assert beneath.stat("refs/main").mtime == mtime
+        assert list(beneath.list()) == ["refs/main"]
+
+    def test_gc_may_not_rename_its_files(self, store: BlobStore) -> None:
+        assert not store.supports_rename

@@ -11,20 +11,17 @@ from __future__ import annotations
 import random
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
-from cas.blobstore.base import BlobInfo, BlobStore, Version
+from cas.blobstore.base import BlobInfo, BlobStore, BytesLike, Payload, Version
+from cas.blobstore.wrapper import WRITE_METHODS, BlobStoreWrapper
 from cas.errors import TransientBackendError
 
 T = TypeVar("T")
 
-WRITE_METHODS = frozenset(
-    {"put", "put_new_parts", "put_conditional", "delete", "delete_conditional", "touch"}
-)
 
-
-class FaultyBlobStore(BlobStore):
+class FaultyBlobStore(BlobStoreWrapper):
     """Passes calls to ``inner``, failing some of them with ``TransientBackendError``.
 
     ``rate`` is the fault probability for every method, overridden per method by ``rates``
@@ -41,8 +38,7 @@ class FaultyBlobStore(BlobStore):
         after_write: float = 0.0,
         seed: int = 0,
     ) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.rate = rate
         self.rates = dict(rates or {})
         self.after_write = after_write
@@ -86,11 +82,14 @@ class FaultyBlobStore(BlobStore):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self._run("get_range", lambda: self.inner.get_range(key, start, end))
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: Payload) -> None:
         self._run("put", lambda: self.inner.put(key, data))
 
-    def put_new_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> bool:
-        return self._run("put_new_parts", lambda: self.inner.put_new_parts(key, parts))
+    def put_transient(self, key: str, data: BytesLike) -> None:
+        self._run("put_transient", lambda: self.inner.put_transient(key, data))
+
+    def put_if_absent(self, key: str, data: Payload) -> bool:
+        return self._run("put_if_absent", lambda: self.inner.put_if_absent(key, data))
 
     def has(self, key: str) -> bool:
         return self._run("has", lambda: self.inner.has(key))
@@ -116,17 +115,8 @@ class FaultyBlobStore(BlobStore):
     def get_versioned(self, key: str) -> tuple[bytes, Version]:
         return self._run("get_versioned", lambda: self.inner.get_versioned(key))
 
-    def put_conditional(
-        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
-    ) -> Version:
+    def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         return self._run("put_conditional", lambda: self.inner.put_conditional(key, data, expected))
 
     def delete_conditional(self, key: str, expected: Version) -> None:
         self._run("delete_conditional", lambda: self.inner.delete_conditional(key, expected))
-
-    @property
-    def supports_conditional_writes(self) -> bool:
-        return self.inner.supports_conditional_writes
-
-    def close(self) -> None:
-        self.inner.close()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 
-from cas.blobstore.base import BlobStore, Version
-from cas.testing.faulty import FaultyBlobStore
+from cas.blobstore.base import BlobStore, BytesLike, Payload, Version
+from cas.blobstore.wrapper import BlobStoreWrapper
 
 
-class RaceBlobStore(FaultyBlobStore):
+class RaceBlobStore(BlobStoreWrapper):
     """Passes calls to ``inner``; the first ``barrier.parties`` writes under ``prefix`` meet at
     ``barrier`` before they reach it.
 
@@ -43,13 +43,19 @@ class RaceBlobStore(FaultyBlobStore):
             self.held += 1
         self.barrier.wait(self.timeout)
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: Payload) -> None:
         self._meet(key)
         super().put(key, data)
 
-    def put_conditional(
-        self, key: str, data: bytes | bytearray | memoryview, expected: Version | None
-    ) -> Version:
+    def put_if_absent(self, key: str, data: Payload) -> bool:
+        self._meet(key)
+        return super().put_if_absent(key, data)
+
+    def put_transient(self, key: str, data: BytesLike) -> None:
+        self._meet(key)
+        super().put_transient(key, data)
+
+    def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         self._meet(key)
         return super().put_conditional(key, data, expected)
 
