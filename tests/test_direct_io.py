@@ -60,7 +60,7 @@ def record_iovecs(monkeypatch: pytest.MonkeyPatch, cap: int | None = None) -> li
         calls.append([(address(b), memoryview(b).nbytes) for b in buffers])
         return real_pwritev(fd, buffers if cap is None else shortened(buffers, cap), offset)
 
-    monkeypatch.setattr(direct.os, "pwritev", pwritev)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     return calls
 
 
@@ -218,7 +218,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes_from_then_on(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(direct.os, "open", refusing_open)
+    monkeypatch.setattr(os, "open", refusing_open)
     store = LocalBlobStore(tmp_path / "store", direct_io=True)
     data = [os.urandom(3 << 20) for _ in range(2)]
     store.put("a", data[0])
@@ -237,7 +237,7 @@ def test_a_direct_write_that_fails_leaves_no_temp_file_and_no_blob(
     def full_disk(fd: int, buffers: object, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(direct.os, "pwritev", full_disk)
+    monkeypatch.setattr(os, "pwritev", full_disk)
     with pytest.raises(BackendError, match="No space left"):
         store.put_if_absent("chunks/ab/c", [os.urandom(2 << 20)])
     assert not store.has("chunks/ab/c")

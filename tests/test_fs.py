@@ -7,7 +7,7 @@ import os
 import threading
 import zipfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,11 @@ class ChunkReads:
         objects = repo.objects
         get_chunk, read_parts = objects.get_chunk, objects.read_chunk_parts
 
-        def counted_get(digest: Any, *args: Any) -> Any:
+        def counted_get(digest: Digest) -> bytes | memoryview:
             self.digests[digest] += 1
-            return get_chunk(digest, *args)
+            return get_chunk(digest)
 
-        def counted_read_parts(digest: Any, outs: Any) -> None:
+        def counted_read_parts(digest: Digest, outs: Sequence[memoryview]) -> None:
             self.digests[digest] += 1
             read_parts(digest, outs)
 
@@ -526,12 +526,13 @@ def test_concurrent_writers_into_one_checkpoint_lose_no_file(repo: cas.Repositor
 def test_dcp_save_then_load_through_cas_and_a_second_save_writes_no_tensor_chunk(
     repo: cas.Repository, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     monkeypatch.setenv("CAS_STORE", str(local_root(repo)))
     state = {"model": weights(), "extra": {"steps": torch.arange(10)}}
     with pytest.warns(UserWarning):  # DCP warns that it runs without a process group
-        dcp.save(state, checkpoint_id="cas://dcp/step1")
+        dcp_save(state, checkpoint_id="cas://dcp/step1")
     assert set(CASFileSystem().ls("dcp/step1", detail=False)) == {
         "dcp/step1/.metadata",
         "dcp/step1/__0_0.distcp",
@@ -542,14 +543,14 @@ def test_dcp_save_then_load_through_cas_and_a_second_save_writes_no_tensor_chunk
         "extra": {"steps": torch.zeros(10, dtype=torch.int64)},
     }
     with pytest.warns(UserWarning):
-        dcp.load(target, checkpoint_id="cas://dcp/step1")
+        dcp_load(target, checkpoint_id="cas://dcp/step1")
     for key, tensor in state["model"].items():
         assert torch.equal(target["model"][key], tensor), key
     assert torch.equal(target["extra"]["steps"], state["extra"]["steps"])
 
     before = chunk_files(repo)
     with pytest.warns(UserWarning):
-        dcp.save(state, checkpoint_id="cas://dcp/step1")
+        dcp_save(state, checkpoint_id="cas://dcp/step1")
     files = repo.manifest("dcp/step1").files
     new = chunk_files(repo) - before
     # Only DCP's .metadata pickle differs (it embeds a fresh save id); tensor data reuses chunks.
@@ -569,7 +570,8 @@ def test_lightning_model_checkpoint_writes_into_the_store(
             self.layer = torch.nn.Linear(4, 1)
 
         def training_step(self, batch: Any, _: int) -> torch.Tensor:
-            return self.layer(batch[0]).pow(2).mean()  # type: ignore[no-any-return]
+            loss: torch.Tensor = self.layer(batch[0]).pow(2).mean()
+            return loss
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)

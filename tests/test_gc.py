@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +17,17 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from cas import Repository
 from cas.blobstore import LocalBlobStore, MemoryBlobStore, ReadOnlyBlobStore
 from cas.blobstore.retry import RetryingBlobStore
 from cas.cli import cli
 from cas.codecs import codec_by_name
-from cas.digest import digest_of
+from cas.digest import Digest, digest_of
 from cas.errors import FormatError, IntegrityError, LeaseExpired, NotFound, RefConflict
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.model.state import encode_state
 from cas.objects.store import chunk_key, manifest_key
+from cas.refs.leases import WriterLease
 from cas.repo.config import StoreConfig
 from cas.retention.gc import GCSettings, plan_gc
 from cas.retention.policy import RetentionPolicy, Rule
@@ -41,6 +44,8 @@ from tests.retention_helpers import (
 )
 
 CHUNK = 4096
+LeaseHold = AbstractContextManager[WriterLease | None]
+"""What ``repo.leases.hold()`` returns: entered, it yields the held lease."""
 
 
 def state(*seeds: int) -> dict[str, Any]:
@@ -48,9 +53,9 @@ def state(*seeds: int) -> dict[str, Any]:
     return {f"t{s}": tensor(s, 2 * CHUNK) for s in seeds}
 
 
-def chunks_of(*seeds: int) -> set[str]:
+def chunks_of(*seeds: int) -> set[Digest]:
     """The chunk digests ``state(*seeds)`` is stored as, computed independently of cas."""
-    out = set()
+    out: set[Digest] = set()
     for s in seeds:
         data = tensor(s, 2 * CHUNK).numpy().tobytes()
         out |= {digest_of(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)}
@@ -238,12 +243,15 @@ def test_stale_temp_files_go_after_the_grace_period_and_locks_stay(tmp_path: Pat
 
 
 def _write_under_lease(
-    repo: Any, seeds: tuple[int, ...], make_state: Callable[[tuple[int, ...]], Any] | None = None
-) -> tuple[Any, Any, Any]:
+    repo: Repository,
+    seeds: tuple[int, ...],
+    make_state: Callable[[tuple[int, ...]], dict[str, Any]] | None = None,
+) -> tuple[LeaseHold, WriterLease, Manifest]:
     """Write the chunks of ``state(*seeds)`` (or ``make_state(seeds)``) under a lease and return
     the held lease and the manifest a commit would store; nothing is committed."""
     hold = repo.leases.hold("test writer")
     lease = hold.__enter__()
+    assert lease is not None  # leases are on by default
     tree, sources = encode_state(make_state(seeds) if make_state else state(*seeds))
     entries, _ = repo.write_tensors(sources)
     return hold, lease, Manifest("state", tuple(entries), tree, created_at=repo.clock())
@@ -360,7 +368,8 @@ class GCModel(RuleBasedStateMachine):
         self.chunk_time: dict[str, float] = {}
         self.manifests: dict[str, tuple[set[str], float]] = {}
         self.refs: dict[str, tuple[str, list[tuple[str, float]], tuple[int, ...]]] = {}
-        self.writer: tuple[Any, Any, Manifest, tuple[int, ...], float, float] | None = None
+        self.writer: tuple[LeaseHold, WriterLease, Manifest, tuple[int, ...], float, float] | None
+        self.writer = None
         self.thread = ThreadPoolExecutor(1)
 
     def _stored(self, digest: str, seeds: tuple[int, ...]) -> None:

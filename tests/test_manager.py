@@ -177,7 +177,7 @@ def test_a_background_failure_is_raised_at_the_next_save_and_latest_stays(tmp_pa
 
 
 def test_a_failure_during_the_slot_wait_is_raised_by_the_save_that_waited() -> None:
-    writer = AsyncWriter(max_in_flight=1)
+    writer: AsyncWriter[str] = AsyncWriter(max_in_flight=1)
     release = threading.Event()
 
     def doomed(_: None) -> str:
@@ -187,8 +187,13 @@ def test_a_failure_during_the_slot_wait_is_raised_by_the_save_that_waited() -> N
     writer.submit(lambda: None, doomed)
     threading.Timer(0.1, release.set).start()  # fails while the next submit waits for the slot
     written: list[str] = []
+
+    def next_write(_: None) -> str:
+        written.append("next")
+        return "next"
+
     with pytest.raises(AsyncSaveError, match="disk full"):
-        writer.submit(lambda: None, lambda _: written.append("next") or "next")
+        writer.submit(lambda: None, next_write)
     writer.close()
     assert written == []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,11 +13,13 @@ from click.testing import CliRunner
 
 import cas
 import cas.refs.store as refs_mod
+from cas.blobstore import Version
 from cas.cli import cli
 from cas.digest import Digest
 from cas.errors import FormatError, NotFound, RefConflict
+from cas.names import RefName
 from cas.objects.store import manifest_key
-from cas.refs.store import RefStore, ref_key
+from cas.refs.store import RefRecord, RefStore, ref_key
 from cas.retention.gc import GCSettings, plan_gc
 from cas.retention.verify import verify
 from cas.training.manager import CheckpointManager
@@ -75,14 +78,14 @@ def test_a_record_without_sealed_history_keeps_format_version_1(tmp_path: Path) 
     repo = local_repo(tmp_path)
     (digest,) = targets(repo, 1)
     repo.refs_store.set("short", digest)
-    doc = msgpack.unpackb(repo.blobs.get(ref_key("short")))
+    doc = msgpack.unpackb(repo.blobs.get(ref_key(RefName("short"))))
     assert doc["version"] == 1 and "sealed" not in doc
     for _ in range(refs_mod.INLINE_HISTORY + 1):
         repo.refs_store.set("long", digest)
-    doc = msgpack.unpackb(repo.blobs.get(ref_key("long")))
+    doc = msgpack.unpackb(repo.blobs.get(ref_key(RefName("long"))))
     assert doc["version"] == 2 and len(doc["sealed"]) == 1
     doc["version"] = 3
-    repo.blobs.put(ref_key("long"), msgpack.packb(doc))
+    repo.blobs.put(ref_key(RefName("long")), msgpack.packb(doc))
     with pytest.raises(FormatError, match="unsupported version 3"):
         repo.refs_store.get("long")
 
@@ -95,7 +98,7 @@ def test_a_long_version_1_record_is_sealed_at_its_next_update(
     monkeypatch.setattr(refs_mod, "INLINE_HISTORY", 10_000)  # as written before sealing existed
     for i in range(500):
         repo.refs_store.set("old", digest, message=str(i))
-    assert msgpack.unpackb(repo.blobs.get(ref_key("old")))["version"] == 1
+    assert msgpack.unpackb(repo.blobs.get(ref_key(RefName("old"))))["version"] == 1
     monkeypatch.undo()
     repo.refs_store.set("old", digest, message="500")
     record = repo.refs_store.get("old")
@@ -116,7 +119,7 @@ def test_a_missing_or_foreign_segment_is_a_clear_error(
         repo.refs_store.set("b", digests[1], message=str(i))
     a, b = repo.refs_store.get("a"), repo.refs_store.get("b")
     # b's record naming a's segment: the segment must say which ref it belongs to.
-    forged = refs_mod.replace(b, sealed=a.sealed)
+    forged = dataclasses.replace(b, sealed=a.sealed)
     with pytest.raises(FormatError, match="not a history segment of this ref"):
         list(repo.refs_store.events(forged))
     repo.blobs.delete(manifest_key(a.sealed[-1].digest))
@@ -242,9 +245,9 @@ def test_an_unchanged_record_is_not_decoded_again_and_a_change_is_seen(
     decoded: list[str] = []
     real_decode = refs_mod.decode_ref
 
-    def counting_decode(name: str, data: bytes, version: object) -> object:
+    def counting_decode(name: RefName, data: bytes, version: Version | None) -> RefRecord:
         decoded.append(name)
-        return real_decode(name, data, version)  # type: ignore[arg-type]
+        return real_decode(name, data, version)
 
     monkeypatch.setattr(refs_mod, "decode_ref", counting_decode)
     mine.set("runs/r/latest", digests[0], expected=None)
