@@ -5,6 +5,7 @@ from __future__ import annotations
 import calendar
 import threading
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ DAY = 86400.0
 
 
 def local_repo(
-    root: Path, clock: Any = time.time, chunk_size: int = 4096, **extra: Any
+    root: Path, clock: Callable[[], float] = time.time, chunk_size: int = 4096, **extra: Any
 ) -> Repository:
     """A local store without fsync (fast tests) and small chunks."""
     config = StoreConfig(chunk_size=chunk_size, inline_max=64, extra=extra)
@@ -70,7 +71,7 @@ def chunk_digests(repo: Repository) -> set[str]:
     return {key.rsplit("/", 1)[1] for key in repo.blobs.list("chunks/")}
 
 
-def reachable_chunks(repo: Repository, refs: Any = None) -> set[str]:
+def reachable_chunks(repo: Repository, refs: Collection[str] | None = None) -> set[str]:
     """Chunks named by the current targets of ``refs`` (all refs by default)."""
     out: set[str] = set()
     for record in repo.refs():

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
 from typing import Any
 
 import torch
 
 import cas
 from cas.errors import RefConflict
+
+Report = tuple[int, str, str]
+"""What a worker puts on its queue: its rank or seed, an outcome word, and the detail."""
 
 
 def shard_state(rank: int, world_size: int, tensors_per_rank: int = 4) -> dict[str, Any]:
@@ -35,7 +40,13 @@ def racing_state(seed: int) -> dict[str, Any]:
 
 
 def save_shard_worker(
-    url: str, env: dict[str, str], run_id: str, rank: int, world_size: int, barrier: Any, out: Any
+    url: str,
+    env: dict[str, str],
+    run_id: str,
+    rank: int,
+    world_size: int,
+    barrier: Barrier,
+    out: Queue[Report],
 ) -> None:
     """Save one shard once every rank reached the barrier; put (rank, digest or error) on ``out``."""
     os.environ.update(env)
@@ -49,7 +60,13 @@ def save_shard_worker(
 
 
 def racing_save_worker(
-    url: str, env: dict[str, str], ref: str, expected: str, seed: int, barrier: Any, out: Any
+    url: str,
+    env: dict[str, str],
+    ref: str,
+    expected: str,
+    seed: int,
+    barrier: Barrier,
+    out: Queue[Report],
 ) -> None:
     """Save to ``ref`` by compare-and-swap against ``expected``; put (seed, outcome, detail)."""
     os.environ.update(env)

@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ class Evil:
     def __init__(self, sentinel: Path) -> None:
         self.sentinel = sentinel
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
         return (os.system, (f"touch {self.sentinel}",))
 
 

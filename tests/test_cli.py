@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,21 +19,28 @@ from cas.cli import cli
 from tests.helpers import trained_state
 
 
-@pytest.fixture
-def run(tmp_path: Path):  # type: ignore[no-untyped-def]
-    store = tmp_path / "store"
-    runner = CliRunner()
+@dataclass
+class StoreCLI:
+    """The ``cas`` command line on one store: ``run("ls", "--json")`` returns what it printed."""
 
-    def invoke(*args: str, ok: bool = True) -> str:
-        result = runner.invoke(cli, ["--store", str(store), *args], catch_exceptions=False)
+    store: Path
+    runner: CliRunner = field(default_factory=CliRunner)
+
+    def __call__(self, *args: str, ok: bool = True) -> str:
+        """Run ``cas --store STORE *args``; ``ok`` says whether it must exit 0 or must fail."""
+        result = self.runner.invoke(
+            cli, ["--store", str(self.store), *args], catch_exceptions=False
+        )
         if ok:
             assert result.exit_code == 0, result.output
         else:
             assert result.exit_code != 0, result.output
         return result.output
 
-    invoke.store = store  # type: ignore[attr-defined]
-    return invoke
+
+@pytest.fixture
+def run(tmp_path: Path) -> StoreCLI:
+    return StoreCLI(tmp_path / "store")
 
 
 def _hf_checkpoint(root: Path) -> Path:
@@ -55,7 +63,7 @@ def _hf_checkpoint(root: Path) -> Path:
     return ckpt
 
 
-def test_put_get_directory_is_byte_identical(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_put_get_directory_is_byte_identical(run: StoreCLI, tmp_path: Path) -> None:
     ckpt = _hf_checkpoint(tmp_path)
     out = run("put", str(ckpt), "runs/hf/checkpoint-500", "--json")
     assert json.loads(out)["new_chunks"] > 0
@@ -69,7 +77,7 @@ def test_put_get_directory_is_byte_identical(run, tmp_path: Path) -> None:  # ty
 
 
 @pytest.mark.parametrize("kind", ["pt", "safetensors", "opaque"])
-def test_put_get_single_file_with_sha256_sidecar(run, tmp_path: Path, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_put_get_single_file_with_sha256_sidecar(run: StoreCLI, tmp_path: Path, kind: str) -> None:
     source = tmp_path / f"model.{kind}"
     state = {"w": torch.randn(300, 300), "b": torch.randn(300).bfloat16()}
     if kind == "pt":
@@ -95,7 +103,7 @@ def test_put_get_single_file_with_sha256_sidecar(run, tmp_path: Path, kind: str)
         assert check.returncode == 0 and "OK" in check.stdout
 
 
-def test_export_state_saved_from_python(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_export_state_saved_from_python(run: StoreCLI, tmp_path: Path) -> None:
     from safetensors import safe_open
 
     repo = cas.open(run.store)
@@ -111,7 +119,7 @@ def test_export_state_saved_from_python(run, tmp_path: Path) -> None:  # type: i
     )
 
 
-def test_listing_show_log_diff_and_cp(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_listing_show_log_diff_and_cp(run: StoreCLI, tmp_path: Path) -> None:
     repo = cas.open(run.store)
     state = trained_state()
     for step in (100, 200):
@@ -148,7 +156,7 @@ def test_listing_show_log_diff_and_cp(run, tmp_path: Path) -> None:  # type: ign
     assert "ok:" in run("verify", "--full")
 
 
-def test_verify_exits_non_zero_on_a_missing_chunk(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_verify_exits_non_zero_on_a_missing_chunk(run: StoreCLI, tmp_path: Path) -> None:
     repo = cas.open(run.store)
     repo.save({"w": torch.randn(4096)}, "runs/v")
     digest = repo.manifest("runs/v").tensors[0].chunks[0].digest

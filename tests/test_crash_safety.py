@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cas
+from cas.digest import Digest
 from cas.objects.store import parse_envelope
 from cas.retention.verify import verify
 from tests.crash_writer import expected_state, write_forever
@@ -24,12 +25,12 @@ def _check_every_object_is_whole(store: Path) -> None:
     try:
         for prefix in ("chunks/", "manifests/"):
             for key in repo.blobs.list(prefix):
-                digest = key.rsplit("/", 1)[1]
+                digest = Digest(key.rsplit("/", 1)[1])
                 parse_envelope(repo.blobs.get(key), 1 << 30)
                 if prefix == "chunks/":
-                    repo.objects.get_chunk(digest)  # type: ignore[arg-type]
+                    repo.objects.get_chunk(digest)
                 else:
-                    repo.objects.get_manifest(digest)  # type: ignore[arg-type]
+                    repo.objects.get_manifest(digest)
     finally:
         repo.close()
 

@@ -497,6 +497,6 @@ def test_exported_torch_file_round_trips_and_failed_writes_leave_the_old_file(
     with pytest.raises(FormatError):
         write_safetensors({"bad": torch.ones(2).to_sparse()}, None, path)
     with pytest.raises(FormatError, match="strings"):
-        write_safetensors({"w": torch.ones(1)}, {"step": 3}, path)  # type: ignore[dict-item]
+        write_safetensors({"w": torch.ones(1)}, {"step": 3}, path)  # type: ignore[dict-item]  # the wrong type on purpose
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["out.pt"]

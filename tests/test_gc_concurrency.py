@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ LEASES = {"duration": 30.0, "margin": 0.05}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _gc_while(alive: Any, store: Path) -> list[GCResult]:
+def _gc_while(alive: Callable[[], bool], store: Path) -> list[GCResult]:
     repo = cas.open(store, create=False, fsync=False)
     results = []
     while alive():
@@ -161,7 +162,8 @@ def test_gc_killed_at_random_points_leaves_every_kept_ref_loadable(tmp_path: Pat
         child = fork.Process(target=_gc_once, args=(str(tmp_path),))
         child.start()
         time.sleep(rng.uniform(0.0, 0.06))
-        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        assert child.pid is not None  # set by start()
+        os.kill(child.pid, signal.SIGKILL)
         child.join()
         killed += child.exitcode == -signal.SIGKILL
         repo.break_maintenance_lock()  # what an operator's `cas unlock` does after a crash

@@ -165,7 +165,8 @@ def test_lightning_saves_prunes_and_resumes_through_the_store(tmp_path: Path) ->
 
         def training_step(self, batch: Any, index: int) -> torch.Tensor:
             (x,) = batch
-            return self.net(x).pow(2).mean()  # type: ignore[no-any-return]
+            loss: torch.Tensor = self.net(x).pow(2).mean()
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -28,7 +28,7 @@ from cas.codecs import codec_by_name
 from cas.errors import FormatError, IntegrityError, NotFound
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.objects.store import chunk_key
-from cas.refs.log import AppendLog, LogSegment
+from cas.refs.log import AppendLog, LogRecord, LogSegment
 from cas.refs.store import RefStore
 from cas.retention.evictions import append_evictions, eviction_logs, read_evictions
 from cas.retention.policy import RetentionPolicy, Rule
@@ -78,7 +78,7 @@ def test_reading_the_newest_records_reads_only_the_segments_it_reaches(
     read: list[str] = []
     real = reader._read_segment
 
-    def counting(segment: LogSegment) -> tuple[Any, ...]:
+    def counting(segment: LogSegment) -> tuple[LogRecord, ...]:
         read.append(segment.path)
         return real(segment)
 

@@ -15,6 +15,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from tests.test_formats import ALL_DTYPES, random_tensor, region_bytes, tensor_b
 # -- real checkpoints ------------------------------------------------------------------------
 
 
-def every_dtype_state() -> dict[str, object]:
+def every_dtype_state() -> dict[str, Any]:
     """Every dtype, nested dicts/lists/tuples, tied weights, views, conj, empty and 0-d tensors."""
     tied = torch.randn(6, 4)
     base = torch.arange(12.0)
@@ -126,7 +127,7 @@ def test_every_dtype_nested_tied_and_viewed_is_laid_out_as_torch_load_saw_it(
     assert layout.format == "torch-zip"
     assert as_tuples(layout.regions) == layout_by_torch(path)
     names = {r.name for r in layout.regions}
-    assert {f"dtypes.{d}" for d in state["dtypes"]} <= names  # type: ignore[attr-defined]
+    assert {f"dtypes.{d}" for d in state["dtypes"]} <= names
     assert {"model.embed.weight", "optimizer.state.0.exp_avg", "views.1", "scalar"} <= names
     assert "model.head.weight" not in names  # a tied weight is named once
     tensors: dict[str, torch.Tensor] = {}
@@ -150,7 +151,7 @@ def test_a_checkpoint_ingests_byte_identically_and_loads_by_tensor_name(tmp_path
     assert back[0].read_bytes() == path.read_bytes()
     assert torch.equal(
         loaded["optimizer.state.0.exp_avg"],
-        state["optimizer"]["state"][0]["exp_avg"],  # type: ignore[index]
+        state["optimizer"]["state"][0]["exp_avg"],
     )
 
 

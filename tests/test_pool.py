@@ -10,7 +10,7 @@ import torch
 
 import cas
 from cas.errors import NotFound
-from cas.training.pool import FrozenAnchor, OpponentPool
+from cas.training.pool import FrozenAnchor, OpponentPool, PoolEntry
 
 PREFIX = "runs/r1/phase3/opponent_pool"
 
@@ -119,8 +119,8 @@ def test_an_eviction_racing_a_rerate_removes_the_model_and_logs_its_last_rating(
     log_eviction = pool._log_eviction
     raced: list[int] = []
 
-    def log_then_rerate(entry: object) -> None:
-        log_eviction(entry)  # type: ignore[arg-type]
+    def log_then_rerate(entry: PoolEntry) -> None:
+        log_eviction(entry)
         if not raced:  # the rater writes once, between the log and the ref delete
             raced.append(1)
             rater.update(1, mu=31.0, games=10)

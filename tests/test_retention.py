@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from cas import Repository
 from cas.cli import cli
 from cas.errors import LockHeld
 from cas.refs.maintenance import MaintenanceLock
@@ -36,7 +37,7 @@ def ckpt_state(seed: int) -> dict[str, Any]:
     return {"model": {"w": tensor(seed, 8192)}, "optimizer": {"m": tensor(10_000 + seed, 4096)}}
 
 
-def collect(repo: Any) -> None:
+def collect(repo: Repository) -> None:
     """GC with the real clock (local mtimes are real), no grace and no history."""
     plan_gc(repo, NO_GRACE).execute()
 
@@ -136,7 +137,7 @@ UNIT = 64 << 10
 """One "GB" of the worked example: sizes are scaled down 16384x."""
 
 
-def _llm_store(tmp_path: Path) -> tuple[Any, FakeClock]:
+def _llm_store(tmp_path: Path) -> tuple[Repository, FakeClock]:
     now = utc("2025-11-22 14:30")
     clock = FakeClock(now)
     repo = local_repo(tmp_path, clock, chunk_size=UNIT)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cas
+from cas.digest import Digest
 from cas.objects.store import chunk_key
 from tests.helpers import assert_bit_exact, local_root, small_chunk_repo, trained_state
 
@@ -131,12 +132,12 @@ def test_keys_selection_reads_only_needed_chunks(tmp_path: Path) -> None:
     state = trained_state(width=64)
     repo.save(state, "t/sel")
     manifest = repo.manifest("t/sel")
-    reads: list[str] = []
+    reads: list[Digest] = []
     original = repo.objects.read_chunk_into
 
-    def counting(digest, out):  # type: ignore[no-untyped-def]
+    def counting(digest: Digest, out: memoryview) -> None:
         reads.append(digest)
-        return original(digest, out)
+        original(digest, out)
 
     repo.objects.read_chunk_into = counting  # type: ignore[method-assign]
     back = repo.load("t/sel", keys="model.*")

@@ -6,8 +6,9 @@ import multiprocessing
 import os
 import queue
 import uuid
+from collections.abc import Callable
+from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from cas.errors import CASError, FormatError, NotFound
 from cas.repo.shards import STAGING_PREFIX
 from tests.helpers import assert_bit_exact, small_chunk_repo
 from tests.s3_workers import (
+    Report,
     full_state,
     racing_save_worker,
     racing_state,
@@ -29,18 +31,20 @@ def _aws_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
 
 
-def _run_processes(target: Any, arg_lists: list[tuple[Any, ...]]) -> list[tuple[Any, str, str]]:
+def _run_processes(
+    target: Callable[..., None], arg_lists: list[tuple[object, ...]]
+) -> list[Report]:
     """Start one process per argument tuple behind a shared barrier; collect what they report."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "cas", "tests.s3_workers"])
     barrier = context.Barrier(len(arg_lists))
-    results = context.Queue()
+    results: Queue[Report] = context.Queue()
     processes = [
         context.Process(target=target, args=(*args, barrier, results)) for args in arg_lists
     ]
     for process in processes:
         process.start()
-    collected = []
+    collected: list[Report] = []
     try:
         for _ in processes:
             collected.append(results.get(timeout=120))

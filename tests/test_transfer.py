@@ -6,6 +6,7 @@ import json
 import random
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import cas
-from cas.blobstore import LocalBlobStore
+from cas.blobstore import BlobStore, LocalBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.blobstore.s3 import S3BlobStore
 from cas.cli import cli
@@ -158,7 +159,7 @@ def test_a_push_that_finds_missing_chunks_by_listing_moves_only_those(
 
 
 @pytest.fixture
-def private_seaweed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def private_seaweed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SeaweedServer]:
     """A SeaweedFS of this test's own, so stopping it disturbs no other test."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", DUMMY_ACCESS_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", DUMMY_SECRET_KEY)
@@ -221,7 +222,9 @@ def test_server_stopped_mid_push_leaves_the_old_checkpoint_and_the_rerun_moves_t
     assert_bit_exact(remote.load("runs/r1/latest"), new_state)
 
 
-def _faulty_repo(blobs: Any, seed: int, config: StoreConfig) -> tuple[Repository, FaultyBlobStore]:
+def _faulty_repo(
+    blobs: BlobStore, seed: int, config: StoreConfig
+) -> tuple[Repository, FaultyBlobStore]:
     faulty = FaultyBlobStore(blobs, rate=0.05, after_write=0.5, seed=seed)
     policy = RetryPolicy(attempts=12, base_delay=0.001, max_delay=0.01)
     retrying = RetryingBlobStore(faulty, policy, rng=random.Random(seed))
