@@ -369,7 +369,7 @@ def load_speed(repo: cas.Repository, refs: list[str], repeat: int) -> list[float
     return speeds
 
 
-def _timed(fn: Callable[..., Any], *args: Any) -> float:
+def _timed(fn: Callable[..., object], *args: object) -> float:
     started = time.perf_counter()
     fn(*args)
     return time.perf_counter() - started

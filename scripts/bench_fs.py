@@ -15,6 +15,7 @@ Writes ``bench-results/fs.json``; ``scripts/bench.py`` runs it as its ``fs`` sec
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cas  # noqa: E402
+from cas.digest import Digest  # noqa: E402
 from cas.fs.filesystem import CASFileSystem  # noqa: E402
 
 GB = 1 << 30
@@ -49,7 +53,7 @@ def make_file(path: Path, size_gb: float) -> int:
     return path.stat().st_size
 
 
-def drain(f: Any, use_readinto: bool) -> int:
+def drain(f: io.RawIOBase, use_readinto: bool) -> int:
     """Read an open file to its end in BLOCK-sized reads (into one buffer, or as new bytes)."""
     total = 0
     if use_readinto:
@@ -86,7 +90,7 @@ def hash_only(path: Path, chunk: int) -> float:
     return time.perf_counter() - start
 
 
-def best_of(fn: Any, repeat: int) -> float:
+def best_of(fn: Callable[[], object], repeat: int) -> float:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -101,17 +105,17 @@ def random_reads(repo: cas.Repository, url: str, size: int, count: int) -> dict[
     latencies = []
     objects = repo.objects
     get_chunk, read_parts = objects.get_chunk, objects.read_chunk_parts
-    calls: list[str] = []
+    calls: list[Digest] = []
 
-    def counted_get(digest: Any, *args: Any) -> Any:
+    def counted_get(digest: Digest) -> bytes | memoryview:
         calls.append(digest)
-        return get_chunk(digest, *args)
+        return get_chunk(digest)
 
-    def counted_read_parts(digest: Any, outs: Any) -> None:
+    def counted_read_parts(digest: Digest, outs: Sequence[memoryview]) -> None:
         calls.append(digest)
         read_parts(digest, outs)
 
-    objects.get_chunk = counted_get  # type: ignore[method-assign, assignment]
+    objects.get_chunk = counted_get  # type: ignore[method-assign]
     objects.read_chunk_parts = counted_read_parts  # type: ignore[method-assign]
     try:
         rng = random.Random(0)
@@ -151,8 +155,8 @@ def run(
         for mode, use_readinto in (("readinto_8MiB", True), ("read_8MiB", False)):
             assert read_local(source, use_readinto) == size  # warm both
             assert read_cas(repo, url, use_readinto) == size
-            local = best_of(lambda u=use_readinto: read_local(source, u), repeat)
-            through = best_of(lambda u=use_readinto: read_cas(repo, url, u), repeat)
+            local = best_of(partial(read_local, source, use_readinto), repeat)
+            through = best_of(partial(read_cas, repo, url, use_readinto), repeat)
             rows[mode] = {
                 "local_GBps": size / local / 1e9,
                 "cas_GBps": size / through / 1e9,

@@ -95,7 +95,7 @@ def paired_windows(
     async_save: bool = True,
     history_events: int = 0,
     yield_thread: bool = False,
-) -> dict[str, float]:
+) -> dict[str, float | list[float]]:
     """Overhead of one checkpoint on the ``every`` steps that follow it, window against window.
 
     Windows of ``every`` steps alternate: one starts with a save (its blocking copy, then the

@@ -34,9 +34,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -57,6 +58,8 @@ GiB = 1 << 30
 MiB = 1 << 20
 BUCKET = "bench"
 JOBS = 16
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def make_state(size_gb: float, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -135,7 +138,9 @@ def boto3_download(client: Any, names: list[str], prefix: str, directory: Path) 
             future.result()
 
 
-def _timed(action: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, Any, list[float]]:
+def _timed(
+    action: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+) -> tuple[float, R, list[float]]:
     load_before = os.getloadavg()[0]
     began = time.perf_counter()
     result = action(*args, **kwargs)
@@ -238,25 +243,24 @@ def _measure_large_blob(server: SeaweedServer, size: int, repeat: int) -> dict[s
     client = boto3_client(server.endpoint_url)
     seconds: dict[str, list[float]] = {}
 
-    def timed(name: str, action: Callable[[], Any]) -> Any:
+    @contextmanager
+    def timed(name: str) -> Iterator[None]:
         began = time.perf_counter()
-        result = action()
+        yield
         seconds.setdefault(name, []).append(time.perf_counter() - began)
-        return result
 
     with _transfer_manager(client) as manager:
         for r in range(repeat):
-            timed("cas_put", lambda r=r: store.put(f"cas{r}", data))
-            assert timed("cas_get", lambda r=r: store.get(f"cas{r}")) == data
-            timed(
-                "boto3_upload",
-                lambda r=r: manager.upload(io.BytesIO(data), BUCKET, f"blob/boto3{r}").result(),
-            )
+            with timed("cas_put"):
+                store.put(f"cas{r}", data)
+            with timed("cas_get"):
+                got = store.get(f"cas{r}")
+            assert got == data
+            with timed("boto3_upload"):
+                manager.upload(io.BytesIO(data), BUCKET, f"blob/boto3{r}").result()
             out = io.BytesIO()
-            timed(
-                "boto3_download",
-                lambda r=r, out=out: manager.download(BUCKET, f"blob/boto3{r}", out).result(),
-            )
+            with timed("boto3_download"):
+                manager.download(BUCKET, f"blob/boto3{r}", out).result()
             assert out.getvalue() == data
     store.close()
     rates = {name: round(size / MiB / min(times), 1) for name, times in seconds.items()}

@@ -47,7 +47,8 @@ class TinyLM(torch.nn.Module):
         self.head = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(hidden, vocab))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(self.embed(x).flatten(1)))
+        logits: torch.Tensor = self.head(self.backbone(self.embed(x).flatten(1)))
+        return logits
 
 
 def main() -> None:
@@ -79,7 +80,7 @@ def main() -> None:
         y = data[starts + 8]
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)  # Tensor.backward has no annotations
         opt.step()
         sched.step()
         if step % args.every == 0:
