@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, lint (ruff), type-check (mypy --strict), then pytest.
+# The whole test suite: set up, lint (ruff), type-check (mypy --strict, the tests and scripts too),
+# then pytest.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k crash`. With CI=true a missing test
 # prerequisite fails the run instead of skipping (tests/prerequisites.py). The 15 slowest tests are
 # listed at the end so a test that became slow shows.
@@ -10,6 +11,6 @@ echo "== ruff"
 .venv/bin/ruff check cas tests scripts
 .venv/bin/ruff format --check -q cas tests scripts
 echo "== mypy --strict"
-.venv/bin/mypy cas
+.venv/bin/mypy cas tests scripts
 echo "== pytest"
 .venv/bin/python -m pytest -p no:cacheprovider -q --durations=15 "$@"
