@@ -14,7 +14,6 @@ import torch
 
 import cas
 from cas.objects.store import parse_envelope
-from cas.retention.verify import verify
 from tests.crash_writer import expected_state, write_forever
 
 
@@ -37,7 +36,7 @@ def _check_every_object_is_whole(store: Path) -> None:
 def _check_refs(store: Path) -> int:
     repo = cas.open(store)
     try:
-        report = verify(repo, level="existence")
+        report = repo.verify(level="existence")
         assert report.ok, report.problems
         latest = repo.refs_store.try_get("runs/crash/latest")
         if latest is None:

@@ -349,14 +349,10 @@ def verify(
     obj: Context, refs: tuple[str, ...], full: bool, sample: float | None, as_json: bool
 ) -> None:
     """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem."""
-    from cas.retention.verify import verify as run_verify
-
     repo = obj.open(create=False, readonly=not sample)
     level = "full" if full else "sample" if sample else "existence"
     with progress_bar(obj, None, "verify") as update:
-        report = run_verify(
-            repo, refs or ("",), level=level, sample_pct=sample or 0.0, progress=update
-        )
+        report = repo.verify(refs or ("",), level=level, sample_pct=sample or 0.0, progress=update)
     if as_json:
         emit_json(
             {

@@ -46,8 +46,11 @@ from cas.objects.store import HEADER_SIZE, ObjectStore, chunk_key, manifest_key
 from cas.refs.leases import LeaseManager, LeaseSettings, leased
 from cas.refs.maintenance import MaintenanceService
 from cas.refs.store import RefStore
+from cas.refs.stores import Stores
 from cas.repo.config import StoreConfig
+from cas.repo.housekeeping import HousekeepingOperations
 from cas.repo.refs import RefOperations
+from cas.repo.transfers import TransferOperations
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +71,7 @@ def default_readers(blobs: BlobStore) -> int:
     return 8
 
 
-class Repository(RefOperations):
+class Repository(RefOperations, HousekeepingOperations, TransferOperations):
     """A cas store. Write order is always chunks, then manifest, then ref (invariant 1)."""
 
     def __init__(
@@ -87,6 +90,7 @@ class Repository(RefOperations):
         self.maintenance = MaintenanceService(blobs, clock, self.leases)
         self.refs_store = RefStore(blobs, clock, self.leases)
         self.io = ChunkIO(self.objects, workers, readers=min(workers, default_readers(blobs)))
+        self.stores = Stores(self.objects, self.refs_store, self.maintenance, lambda: self.io.pool)
         self.last_write: WriteStats = WriteStats()
         self.delta_settings = DeltaSettings.from_config(config.extra)
         self.chunk_cache = ChunkCache(self.delta_settings.cache_bytes)
@@ -503,14 +507,12 @@ class Repository(RefOperations):
     def show(self, ref: str) -> dict[str, Any]:
         """Metadata and a tensor table from the manifest; no tensor data is read.
 
-        Stored sizes come from statting the chunks (``cas.retention.usage``): ``stored_bytes`` are the
-        chunks the checkpoint names, ``stored_with_bases`` adds the delta bases it needs.
+        Stored sizes come from statting the chunks (``cas.retention.space``): ``stored_bytes`` are
+        the chunks the checkpoint names, ``stored_with_bases`` adds the delta bases it needs.
         """
-        from cas.retention.usage import manifest_usage
-
         digest = self.resolve(ref)
         manifest = decode_manifest(self.objects.get_manifest(digest))
-        usage = manifest_usage(self, manifest).as_dict()
+        usage = self.manifest_usage(manifest).as_dict()
         return {
             "ref": ref,
             "manifest": digest,

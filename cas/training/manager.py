@@ -12,8 +12,9 @@ A saved manifest's tree is ``{"state": <your state>, "rng": <cas.training.rng.ca
 holds step, phase, metrics, status (``running``/``interrupted``/``completed``), trigger and the
 config hash. Every save writes chunks, then the manifest, then the checkpoint ref, then moves
 ``latest`` and ``best`` by compare-and-swap: a process killed at any point leaves ``latest`` on a
-complete checkpoint. A ``policy`` (retention, issue 5) is anything with ``apply(repo)`` or a
-callable ``policy(repo)``; it runs after each save, in the background.
+complete checkpoint. A ``policy`` is a ``RetentionPolicy`` (applied with ``Repository.forget``),
+anything with ``apply(repo)`` or a callable ``policy(repo)``; it runs after each save, in the
+background.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cas.digest import Digest
 from cas.errors import CASError, NotFound
 from cas.refs.store import RefChange, RefRecord
 from cas.repo.repository import Repository
+from cas.retention.policy import RetentionPolicy
 from cas.training import rng as rng_mod
 from cas.training.async_save import AsyncWriter, Stager, StagingSet
 from cas.training.compat import (
@@ -408,9 +410,8 @@ class CheckpointManager:
         is_best = self._update_best(digest, prepared)
         retention_error = None
         if self.policy is not None:
-            apply = getattr(self.policy, "apply", None)
             try:
-                (apply or self.policy)(self.repo)
+                self._apply_policy()
             except Exception as e:  # e.g. a `cas gc` holds the maintenance lock right now
                 retention_error = f"{type(e).__name__}: {e}"
                 log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
@@ -419,6 +420,13 @@ class CheckpointManager:
             prepared.status, is_best, prepared.blocking, time.perf_counter() - start,
             stats.logical_bytes, stats.new_bytes, retention_error,
         )  # fmt: skip
+
+    def _apply_policy(self) -> None:
+        if isinstance(self.policy, RetentionPolicy):
+            self.repo.forget(self.policy)
+        else:
+            apply = getattr(self.policy, "apply", None)
+            (apply or self.policy)(self.repo)
 
     def _update_best(self, digest: Digest, prepared: _Prepared) -> bool:
         if self.best is None:
