@@ -18,6 +18,7 @@ codec. Chunks live under ``chunks/<d[:2]>/<d>``, manifests under ``manifests/<d[
 from __future__ import annotations
 
 import contextlib
+import mmap
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -367,6 +368,28 @@ class ObjectStore:
         if digest_of(decoded) != digest:
             raise IntegrityError(f"manifest {digest} is corrupt: its bytes hash to something else")
         return decoded
+
+    def map_raw_chunk(self, digest: Digest, size: int) -> memoryview | None:
+        """A raw chunk's bytes mapped copy-on-write from its local file, verified; None where
+        the store has no local files or the chunk is not stored raw (read it instead).
+
+        NotFound if the chunk is missing; IntegrityError if its bytes do not hash to ``digest``.
+        """
+        path = self.blobs.local_path(chunk_key(digest))
+        if path is None:
+            return None
+        try:
+            with path.open("rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except FileNotFoundError as e:
+            raise NotFound(f"chunk {digest} is missing from the store") from e
+        if len(mapped) != HEADER_SIZE + size or mapped[5] != 0:
+            mapped.close()
+            return None  # not a raw chunk
+        payload = memoryview(mapped)[HEADER_SIZE:]
+        if digest_of(payload) != digest:
+            raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+        return payload
 
     # -- the store as a whole: what retention and transfers ask of it ---------------------------
 
