@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
 
 from cas.blobstore import BlobStore
 from cas.codecs import Codec, codec_by_name
@@ -45,8 +46,26 @@ from cas.refs.store import RefStore
 from cas.refs.stores import Stores
 from cas.repo.config import StoreConfig
 from cas.repo.refs import RefOperations
+from cas.repo.streaming import StreamWriter
 
 _ANY: Any = ...
+T = TypeVar("T")
+
+
+class ChunkReader(Protocol):
+    """Verified chunk reads on the repository's thread pool: what file views read through."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on the pool."""
+        ...
+
+    def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
+        """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes."""
+        ...
+
+    def read_chunk_parts(self, digest: Digest, outs: Sequence[memoryview]) -> None:
+        """Scatter the verified chunk bytes over ``outs`` (their sizes sum to the chunk's)."""
+        ...
 
 
 def default_readers(blobs: BlobStore) -> int:
@@ -96,6 +115,20 @@ class RepositoryCore(RefOperations):
         """Release threads and connections."""
         self.io.close()
         self.blobs.close()
+
+    def chunk_reader(self) -> ChunkReader:
+        """Verified chunk reads by digest on this repository's threads (for file views)."""
+        return self.io
+
+    def stream_writer(self, stats: WriteStats, *, max_pending: int = 8) -> StreamWriter:
+        """A writer that cuts a stream of bytes into chunks and stores them as they arrive
+        (``cas.repo.streaming``); its ``finish`` describes the file for a manifest."""
+        return StreamWriter(self.io, self.codec(), self.config, stats, max_pending)
+
+    def sync(self) -> None:
+        """Make every chunk written so far durable; a writer whose chunks another process
+        commits (a rank of a distributed save) calls it before handing them over."""
+        self.objects.sync()
 
     def codec(self, name: str | None = None) -> Codec:
         """The codec to write with: ``name``, else the store's default.
