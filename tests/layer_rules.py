@@ -11,7 +11,8 @@ runs it on the real tree and on small planted trees. The ranks are the contract 
 - No import cycle, neither between packages nor between modules.
 - Only the store layers (``blobstore``, ``objects``, ``refs``, ``repo``; ``testing``) import
   ``cas.blobstore`` or use an attribute named ``blobs``; above ``repo`` no code uses the
-  Repository's internals (``.objects``, ``.refs_store``, ``.io``, ``.leases``, ``.blobs``).
+  Repository's internals (``.objects``, ``.refs_store``, ``.io``, ``.leases``, ``.blobs``, and
+  ``.stores``, ``.maintenance``, ``.chunk_cache``).
 - No ``isinstance`` against a blobstore backend class outside ``blobstore``: backends describe
   themselves by capability properties.
 - No module over ``MAX_LINES`` lines; at most ``MAX_FLAT`` modules flat in ``cas/``.
@@ -51,7 +52,9 @@ RANKS: dict[str, int] = {
 BLOB_HOLDERS = frozenset({"cas.blobstore", "cas.objects", "cas.refs", "cas.repo", TESTING})
 """Packages that may hold or call a BlobStore (import ``cas.blobstore``, use ``.blobs``)."""
 REPO_RANK = RANKS["cas.repo"]
-REPO_INTERNALS = frozenset({"objects", "refs_store", "io", "leases", "blobs"})
+REPO_INTERNALS = frozenset(
+    {"objects", "refs_store", "io", "leases", "blobs", "stores", "maintenance", "chunk_cache"}
+)
 """Attributes of a Repository that code above ``cas.repo`` must not use."""
 BACKEND_ABC = "BlobStore"
 """The abstract interface itself: ``isinstance(x, BlobStore)`` tells a store from a URL, not one

@@ -147,7 +147,9 @@ def test_a_blobs_attribute_outside_the_store_layers_is_caught(tmp_path: Path) ->
     assert (found.path, found.line) == ("cas/retention/gc.py", 3)
 
 
-@pytest.mark.parametrize("attribute", ["objects", "refs_store", "io", "leases"])
+@pytest.mark.parametrize(
+    "attribute", ["objects", "refs_store", "io", "leases", "stores", "maintenance"]
+)
 def test_repository_internals_above_repo_are_caught(tmp_path: Path, attribute: str) -> None:
     changes = {
         "fs/views.py": f'"""Views."""\ndef read(repo: object) -> object:\n    return repo.{attribute}\n'

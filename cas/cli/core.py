@@ -45,10 +45,10 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     if codec:
         standalone_codec(codec, 1)  # an unknown name is an error here
         config = replace(config, codec=codec)
-    import cas
     from cas.errors import AlreadyExists
+    from cas.repo.opening import open as open_store
 
-    repo = cas.open(obj.store, config=config.validate())
+    repo = open_store(obj.store, config=config.validate())
     asked = {"chunk_size": chunk_size, "codec": codec}
     ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
     if ignored:

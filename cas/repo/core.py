@@ -92,8 +92,11 @@ class RepositoryCore(RefOperations):
         *,
         clock: Callable[[], float] = time.time,
         workers: int = 8,
+        owns_blobs: bool = True,
     ) -> None:
         self.blobs = blobs
+        self.owns_blobs = owns_blobs
+        """Whether ``close`` closes the store too (not for a view sharing another's store)."""
         self.config = config
         self.clock = clock
         self.objects = ObjectStore(blobs, max_object_size=max(config.chunk_size, 64 << 20) + 4096)
@@ -112,9 +115,10 @@ class RepositoryCore(RefOperations):
         return self.blobs.url
 
     def close(self) -> None:
-        """Release threads and connections."""
+        """Release threads and connections (the store's only if this repository owns it)."""
         self.io.close()
-        self.blobs.close()
+        if self.owns_blobs:
+            self.blobs.close()
 
     def chunk_reader(self) -> ChunkReader:
         """Verified chunk reads by digest on this repository's threads (for file views)."""

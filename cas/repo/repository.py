@@ -54,6 +54,20 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def for_background_writes(self, workers: int = 8) -> Repository:
+        """The same store for a training loop's background saves: chunk workers of its own
+        (started from the saving thread, so they inherit its priority) and writes that bypass
+        the page cache where the store can (a local store's direct I/O; staging buffers laid
+        out by ``cas.repo.background``). Its ``close`` stops its threads; the store stays open.
+        """
+        return Repository(
+            self.blobs.for_background_writes(),
+            self.config,
+            clock=self.clock,
+            workers=workers,
+            owns_blobs=False,
+        )
+
     def save_shard(self, state: Any, run_id: str, rank: int, world_size: int, **kw: Any) -> Digest:
         """Store this rank's shard of a checkpoint for ``commit_shards`` (see ``cas.repo.shards``)."""
         return save_shard(self, state, run_id, rank, world_size, **kw)
