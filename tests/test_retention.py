@@ -229,6 +229,23 @@ def test_daily_weights_only_snapshot_costs_no_chunk_bytes(tmp_path: Path) -> Non
     assert_bit_exact(repo.load("snapshots/2025-11-22"), {"model": ckpt_state(1)["model"]})
 
 
+def test_du_counts_what_two_copies_share_as_exclusive_to_the_pair_not_to_either(
+    tmp_path: Path,
+) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(ckpt_state(1), "runs/a/ckpt")
+    repo.cp("runs/a/ckpt", "runs/a/copy")  # the same manifest and chunks
+    repo.save(ckpt_state(2), "runs/b/ckpt")
+    pair = repo.disk_usage("runs/a/")
+    assert [row.exclusive_bytes for row in pair.refs] == [0, 0]  # each needs the other's bytes
+    assert pair.exclusive_bytes == pair.stored_bytes > 0  # but no ref outside the pair does
+    assert pair.shared_bytes == 0
+    other = repo.disk_usage("runs/b/")
+    everything = repo.disk_usage()
+    assert everything.exclusive_bytes == everything.stored_bytes
+    assert everything.stored_bytes == pair.stored_bytes + other.stored_bytes
+
+
 def test_pool_fifo_with_anchors_and_eviction_log(tmp_path: Path) -> None:
     clock = FakeClock(utc("2026-02-01 00:00"))
     repo = local_repo(tmp_path, clock)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from cas.blobstore import LocalBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.blobstore.s3 import S3BlobStore
 from cas.cli import cli
+from cas.codecs import codec_by_name
 from cas.digest import Digest
 from cas.errors import BackendError, IntegrityError, RefConflict
 from cas.objects.inventory import LIST_MIN_KEYS
@@ -138,6 +141,26 @@ def test_many_candidate_chunks_are_checked_by_listing_their_prefix(
     assert LIST_MIN_KEYS > 16  # the production threshold is untouched
     assert method == "list"  # one LIST beats forty HEADs
     assert missing == set(digests[1::2])
+
+
+def test_copying_a_chunk_the_destination_holds_keeps_its_encoding_and_refreshes_it(
+    tmp_path: Path,
+) -> None:
+    src, dst = small_chunk_repo(tmp_path / "src"), small_chunk_repo(tmp_path / "dst")
+    data = bytes(range(256)) * 256
+    digest = src.objects.put_chunk(data, codec_by_name("zstd")).digest
+    dst.objects.put_chunk(data, codec_by_name("raw"))
+    key = chunk_key(digest)
+    stored_raw = dst.blobs.get(key)
+    an_hour_ago = time.time() - 3600
+    os.utime(tmp_path / "dst" / key, (an_hour_ago, an_hour_ago))
+
+    copied = src.objects.copy(ObjectKind.CHUNK, digest, dst.objects)
+
+    assert not copied.created
+    assert dst.blobs.get(key) == stored_raw  # the destination's own encoding stays
+    assert dst.blobs.stat(key).mtime > an_hour_ago + 1800  # and GC's age check now spares it
+    assert dst.objects.get_chunk(digest) == data
 
 
 def test_a_push_that_finds_missing_chunks_by_listing_moves_only_those(
