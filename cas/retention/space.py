@@ -82,7 +82,7 @@ def read_contents(stores: Stores, records: Sequence[RefRecord]) -> list[RefConte
         if record.target not in summaries:
             decoded = {ref.digest: ref.size for ref in manifest.chunk_refs()}
             named: set[ObjectId] = {(ObjectKind.MANIFEST, record.target)}
-            named.update((ObjectKind.CHUNK, Digest(d)) for d in manifest.chunk_digests())
+            named.update((ObjectKind.CHUNK, d) for d in manifest.chunk_digests())
             summaries[record.target] = (frozenset(named), decoded)
         objects, sizes = summaries[record.target]
         out.append(
@@ -311,7 +311,7 @@ class Usage:
 
 def chunk_sizes(stores: Stores, digests: Iterable[Digest]) -> dict[Digest, int | None]:
     """Stored size of each unique chunk (``None`` when it is missing)."""
-    unique = {Digest(d) for d in digests}
+    unique = set(digests)
     found = stores.objects.stored_sizes((ObjectKind.CHUNK, d) for d in unique)
     return {d: found.get((ObjectKind.CHUNK, d)) for d in sorted(unique)}
 
@@ -330,7 +330,7 @@ def manifest_usage(stores: Stores, manifest: Manifest) -> Usage:
     return Usage(
         logical_bytes=manifest.logical_bytes(),
         stored_bytes=own_bytes,
-        stored_with_bases=own_bytes + sum(sizes[Digest(d)] or 0 for d in bases),
+        stored_with_bases=own_bytes + sum(sizes[d] or 0 for d in bases),
         chunks=len(own),
         base_chunks=len(bases),
         missing_chunks=sum(1 for size in sizes.values() if size is None),
