@@ -46,7 +46,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``cas.CheckpointManager`` on first use: the manager needs torch, ``import cas`` does not."""
+    """``cas.CheckpointManager`` on first use: the training layer loads numpy, ``import cas`` does
+    not (and neither imports torch until a tensor is built)."""
     if name == "CheckpointManager":
         from cas.training.manager import CheckpointManager
 

@@ -91,12 +91,12 @@ def peak_rss_bytes() -> int:
 def child(store: str) -> None:
     """Run GC once on ``store`` and print JSON figures (used in a fresh subprocess)."""
     import cas
-    from cas.retention.gc import GCSettings, plan_gc
+    from cas.retention.gc import GCSettings
 
     baseline = peak_rss_bytes()
     repo = cas.open(store, create=False, fsync=False)
     started = time.perf_counter()
-    plan = plan_gc(repo, GCSettings(grace=0, reflog_window=0))
+    plan = repo.plan_gc(GCSettings(grace=0, reflog_window=0))
     planned = time.perf_counter()
     result = plan.execute()
     done = time.perf_counter()

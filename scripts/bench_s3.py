@@ -6,9 +6,9 @@ files, then times, side by side and alternating, for ``repeat`` rounds:
 
 - boto3 upload: every file through one ``s3transfer`` TransferManager (16 threads, multipart
   above 8 MiB), which is what ``aws s3 cp --recursive`` does;
-- cas push: ``cas.sync.transfer.push`` of the checkpoint into a fresh S3 store (16 jobs);
+- cas push: ``Repository.push`` of the checkpoint into a fresh S3 store (16 jobs);
 - boto3 download of those files into a fresh directory (page cache, no fsync);
-- cas pull: ``cas.sync.transfer.pull`` into a fresh local store (every chunk fsynced, every byte
+- cas pull: ``Repository.pull`` into a fresh local store (every chunk fsynced, every byte
   re-hashed).
 
 Then one large blob (``--blob-mb``, 256 MiB; 0 skips it) goes up and comes down ``repeat`` times
@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 
 import cas  # noqa: E402
 from cas.blobstore.s3 import S3BlobStore  # noqa: E402
-from cas.sync.transfer import pull, push  # noqa: E402
 from cas.testing.seaweed import (  # noqa: E402
     DUMMY_ACCESS_KEY,
     DUMMY_SECRET_KEY,
@@ -187,7 +186,7 @@ def _measure(server: SeaweedServer, root: Path, size_gb: float, repeat: int) -> 
         seconds, _, load = _timed(boto3_upload, client, paths, f"files{r}")
         row["boto3_upload"] = {"seconds": seconds, "load": load}
         remote = cas.open(f"s3://{BUCKET}/cas{r}", endpoint_url=server.endpoint_url)
-        seconds, report, load = _timed(push, local, remote, ["runs/bench/ckpt"], jobs=JOBS)
+        seconds, report, load = _timed(local.push, remote, ["runs/bench/ckpt"], jobs=JOBS)
         assert report.bytes_moved == nbytes, report.as_dict()
         row["cas_push"] = {"seconds": seconds, "load": load}
         target = root / f"download{r}"
@@ -195,7 +194,7 @@ def _measure(server: SeaweedServer, root: Path, size_gb: float, repeat: int) -> 
         row["boto3_download"] = {"seconds": seconds, "load": load}
         shutil.rmtree(target)
         fresh = cas.open(root / f"pulled{r}")
-        seconds, report, load = _timed(pull, fresh, remote, ["runs/bench/ckpt"], jobs=JOBS)
+        seconds, report, load = _timed(fresh.pull, remote, ["runs/bench/ckpt"], jobs=JOBS)
         assert report.bytes_moved == nbytes and fresh.resolve("runs/bench/ckpt") == local.resolve(
             "runs/bench/ckpt"
         )

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import cas
-from cas.retention.verify import verify
 from tests.retention_helpers import tensor
 
 CHUNK = 4096
@@ -43,7 +42,7 @@ def writer_loop(store: str, writer: int, seconds: float) -> dict[str, Any]:
         saved.append((ref, seeds))
         if len(saved) > 2:
             old, _ = saved[-3]
-            report = verify(repo, [old], level="full")
+            report = repo.verify([old], level="full")
             if not report.ok:
                 problems.extend(str(p) for p in report.problems)
             repo.rm(old)

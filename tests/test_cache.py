@@ -18,8 +18,6 @@ from cas.objects.store import chunk_key
 from cas.repo.config import StoreConfig, read_config
 from cas.repo.opening import CACHED_PREFIXES, verify_cached_object
 from cas.repo.repository import Repository
-from cas.sync.archive import archive
-from cas.sync.transfer import pull
 from cas.testing.faulty import FaultyBlobStore
 from tests.helpers import assert_bit_exact, chunk_files, small_chunk_repo
 
@@ -118,14 +116,14 @@ def test_archive_frees_only_chunks_no_remaining_local_ref_needs(tmp_path: Path) 
     only_old = {chunk_key(d) for d in local.manifest("runs/r1/ckpt_step00000100").chunk_digests()}
     only_old -= {chunk_key(d) for d in local.manifest("runs/r1/ckpt_step00000200").chunk_digests()}
 
-    report = archive(local, remote, ["runs/r1/ckpt_step00000100"])
+    report = local.archive(remote, ["runs/r1/ckpt_step00000100"])
 
     assert report.removed_refs == ["runs/r1/ckpt_step00000100"]
     assert report.freed_chunks == len(only_old) == 2  # layer0 is 128 KiB: two 64 KiB chunks
     assert chunk_files(local) == before - only_old
     assert [r.name for r in local.refs()] == ["runs/r1/ckpt_step00000200"]
     assert_bit_exact(local.load("runs/r1/ckpt_step00000200"), new)
-    pull(local, remote, ["runs/r1/ckpt_step00000100"])
+    local.pull(remote, ["runs/r1/ckpt_step00000100"])
     assert_bit_exact(local.load("runs/r1/ckpt_step00000100"), old)
 
 
@@ -135,7 +133,7 @@ def test_archive_of_a_checkpoint_another_local_ref_names_frees_nothing(tmp_path:
     local.cp("runs/r1/ckpt_step00000100", "gates/best")
     before = chunk_files(local)
 
-    report = archive(local, small_chunk_repo(tmp_path / "archive"), ["runs/r1"])
+    report = local.archive(small_chunk_repo(tmp_path / "archive"), ["runs/r1"])
 
     assert report.removed_refs == ["runs/r1/ckpt_step00000100"]
     assert report.freed_chunks == 0 and chunk_files(local) == before

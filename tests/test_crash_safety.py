@@ -15,7 +15,6 @@ import torch
 import cas
 from cas.digest import Digest
 from cas.objects.store import parse_envelope
-from cas.retention.verify import verify
 from tests.crash_writer import expected_state, write_forever
 
 
@@ -38,7 +37,7 @@ def _check_every_object_is_whole(store: Path) -> None:
 def _check_refs(store: Path) -> int:
     repo = cas.open(store)
     try:
-        report = verify(repo, level="existence")
+        report = repo.verify(level="existence")
         assert report.ok, report.problems
         latest = repo.refs_store.try_get("runs/crash/latest")
         if latest is None:

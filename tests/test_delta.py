@@ -21,7 +21,6 @@ from cas.model.manifest import Manifest
 from cas.objects.recode import recode_chunk, recode_manifest
 from cas.objects.store import ObjectStore, PutResult, chunk_key
 from cas.repo.config import StoreConfig
-from cas.retention.usage import manifest_usage, stored_bytes
 from tests.helpers import assert_bit_exact, local_root
 
 CHUNK = 16 << 10
@@ -96,7 +95,7 @@ def test_consecutive_checkpoints_are_stored_as_deltas_and_load_bit_exact(tmp_pat
     raw = delta_repo(tmp_path / "raw", codec="raw")
     for state in states:
         raw.save(state, "runs/r1/latest")
-    ratio = stored_bytes(repo, _all_chunks(repo)) / stored_bytes(raw, _all_chunks(raw))
+    ratio = repo.stored_bytes(_all_chunks(repo)) / raw.stored_bytes(_all_chunks(raw))
     assert ratio < 0.85
 
 
@@ -342,7 +341,7 @@ def test_a_fine_tune_is_a_delta_against_its_named_base_model(tmp_path: Path) -> 
     repo.save(tuned, "runs/ft/final", parent="models/base")
     encodings = tensor_encodings(repo, "runs/ft/final")
     assert encodings["encoder.weight"]["codec"] in ("xor-delta", "sub-delta")
-    usage = manifest_usage(repo, repo.manifest("runs/ft/final"))
+    usage = repo.manifest_usage(repo.manifest("runs/ft/final"))
     assert usage.ratio < 0.6 and usage.stored_with_bases > usage.stored_bytes
     assert_bit_exact(repo.load("runs/ft/final"), tuned)
 
@@ -429,8 +428,8 @@ def test_a_hot_raw_copy_and_a_compressed_archive_share_identities(tmp_path: Path
     archive.objects.put_manifest(hot.objects.get_manifest(digest), archive.codec("zstd"))
     archive.refs_store.set("ckpt", digest)
     assert_bit_exact(archive.load("ckpt"), states[1])
-    assert stored_bytes(archive, manifest.chunk_digests()) < stored_bytes(
-        hot, manifest.chunk_digests()
+    assert archive.stored_bytes(manifest.chunk_digests()) < hot.stored_bytes(
+        manifest.chunk_digests()
     )
     # Deltas travel as they are ("keep"), their bases first.
     archive.save(states[0], "old")
@@ -486,8 +485,6 @@ def test_a_push_onto_a_chunk_the_destination_stored_as_a_delta_keeps_it_decodabl
     # The destination already holds states[1]'s chunks as deltas against states[0] (refs a, b);
     # the source pushes the same bytes stored standalone, whose manifest records no base. The
     # pushed checkpoint must survive a GC that keeps only it.
-    from cas.sync.transfer import push
-
     states = training_states(2)
     dst = delta_repo(tmp_path / "dst")
     dst.save(states[0], "a")
@@ -496,12 +493,12 @@ def test_a_push_onto_a_chunk_the_destination_stored_as_a_delta_keeps_it_decodabl
     src = delta_repo(tmp_path / "src", codec="raw")
     src.save(states[1], "pushed")
     assert not any(t.base_digests() for t in src.manifest("pushed").tensors)
-    assert push(src, dst, ["pushed"]).chunks_rewritten > 0
-    assert push(src, dst, ["pushed"]).chunks_rewritten == 0  # now standalone: nothing to fix
+    assert src.push(dst, ["pushed"]).chunks_rewritten > 0
+    assert src.push(dst, ["pushed"]).chunks_rewritten == 0  # now standalone: nothing to fix
     # A delta store pushed onto a copy of itself records the same chains: nothing is rewritten.
     mirror = delta_repo(tmp_path / "mirror")
-    assert push(dst, mirror, ["b"]).chunks_moved > 0
-    assert push(dst, mirror, ["b"]).chunks_rewritten == 0
+    assert dst.push(mirror, ["b"]).chunks_moved > 0
+    assert dst.push(mirror, ["b"]).chunks_rewritten == 0
     dst.rm("a")
     dst.rm("b")
     assert simulate_gc(dst) > 0
@@ -523,8 +520,6 @@ def test_a_save_after_a_push_records_the_base_any_entry_lists_for_a_chunk(tmp_pa
     # to Y, a delta whose chain lists B. The destination stores X against B, which the push
     # accepts because t1 lists B. A save against that manifest must learn X's chain from both
     # entries, or its delta against X records no B and GC sweeps B.
-    from cas.sync.transfer import push
-
     x, b, other = _noise(1), _noise(2), _noise(3)
     src = delta_repo(tmp_path / "src", codec="xor-delta")
     src.save({"t0": x, "t1": torch.cat([other, b])}, "s1")
@@ -532,7 +527,7 @@ def test_a_save_after_a_push_records_the_base_any_entry_lists_for_a_chunk(tmp_pa
     dst = delta_repo(tmp_path / "dst", codec="xor-delta")
     dst.save({"u": b}, "d1")
     dst.save({"u": x}, "d2", parent="d1")  # X stored at the destination against B
-    assert push(src, dst, ["m"]).chunks_rewritten == 0
+    assert src.push(dst, ["m"]).chunks_rewritten == 0
     later = _nudged(x, 11)
     dst.save({"t0": later}, "d3", parent="m")
     for ref in ("d1", "d2", "m"):
@@ -545,7 +540,6 @@ def test_a_skipped_chunk_swept_during_a_push_is_stored_again_before_the_ref_move
     tmp_path: Path,
 ) -> None:
     from cas.digest import digest_of
-    from cas.sync.transfer import push
 
     first = _noise(4)
     second = _nudged(first, 5)
@@ -568,6 +562,6 @@ def test_a_skipped_chunk_swept_during_a_push_is_stored_again_before_the_ref_move
             swept.append(base)
             dst.blobs.delete(chunk_key(base))
 
-    report = push(src, dst, ["s3"], progress=concurrent_sweep)
+    report = src.push(dst, ["s3"], progress=concurrent_sweep)
     assert report.chunks_rewritten == 1
     assert torch.equal(dst.load("s3")["t"], third)

@@ -27,12 +27,11 @@ from cas.errors import FormatError, IntegrityError, LeaseExpired, NotFound, RefC
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.model.state import encode_state
 from cas.objects.store import chunk_key, manifest_key
+from cas.objects.sweep import TRASH_DIR, LocalSweeper, Sweeper, sweeper_for
 from cas.refs.leases import WriterLease
 from cas.repo.config import StoreConfig
-from cas.retention.gc import GCSettings, plan_gc
+from cas.retention.gc import GCSettings
 from cas.retention.policy import RetentionPolicy, Rule
-from cas.retention.sweep import TRASH_DIR, LocalSweeper, Sweeper, sweeper_for
-from cas.retention.verify import verify
 from tests.helpers import assert_bit_exact, local_root
 from tests.retention_helpers import (
     FakeClock,
@@ -79,10 +78,10 @@ def test_gc_frees_unreachable_chunks_only_after_the_grace_period() -> None:
     repo.rm("runs/r1/a")
     settings_ = GCSettings(grace=3600, reflog_window=0)
     clock.advance(1800)
-    young = plan_gc(repo, settings_)
+    young = repo.plan_gc(settings_)
     assert young.chunks == () and young.young_manifests == 1
     clock.advance(1801)
-    plan = plan_gc(repo, settings_)
+    plan = repo.plan_gc(settings_)
     assert set(plan.chunks) == chunks_of(1) and len(plan.manifests) == 1
     result = plan.execute()
     assert result.deleted_chunks == 2 and result.deleted_manifests == 1
@@ -97,10 +96,10 @@ def test_ref_history_keeps_overwritten_checkpoints_for_the_reflog_window() -> No
     clock.advance(600)
     repo.save(state(2), "runs/r1/latest")
     clock.advance(7200)
-    kept = plan_gc(repo, GCSettings(grace=0, reflog_window=3 * 3600))
+    kept = repo.plan_gc(GCSettings(grace=0, reflog_window=3 * 3600))
     assert kept.history_manifests == 1 and kept.chunks == ()
     assert_bit_exact(repo.load("runs/r1/latest~1"), state(1))
-    plan = plan_gc(repo, GCSettings(grace=0, reflog_window=3600))
+    plan = repo.plan_gc(GCSettings(grace=0, reflog_window=3600))
     assert set(plan.chunks) == chunks_of(1)
     plan.execute()
     with pytest.raises(NotFound):
@@ -121,19 +120,19 @@ def test_gc_refuses_and_deletes_nothing_when_a_ref_or_manifest_cannot_be_read(
     original = path.read_bytes()
     path.write_bytes(original[:-3] + b"xyz")
     with pytest.raises(IntegrityError, match=r"gc refused, nothing deleted: ref 'bad'"):
-        plan_gc(repo, settings_)
+        repo.plan_gc(settings_)
     path.unlink()
     with pytest.raises(NotFound, match="names a missing manifest"):
-        plan_gc(repo, settings_)
+        repo.plan_gc(settings_)
     path.write_bytes(original)
     ref_path = tmp_path / "refs" / "good"
     ref_path.write_bytes(b"not msgpack \xff")
     with pytest.raises(FormatError, match="ref blob 'refs/good' cannot be read"):
-        plan_gc(repo, settings_)
+        repo.plan_gc(settings_)
     assert chunk_digests(repo) == before
     ref_path.unlink()
     repo.save(state(1), "good")
-    plan_gc(repo, settings_).execute()
+    repo.plan_gc(settings_).execute()
     assert chunk_digests(repo) == chunks_of(1, 2)
 
 
@@ -156,9 +155,9 @@ def test_delta_bases_named_in_the_manifest_stay_alive() -> None:
     tree = {"~": "dict", "items": [["w", {"~": "tensor", "i": 0}]]}
     repo.commit(Manifest("state", (entry,), tree, created_at=clock()), "ft/step1")
     clock.advance(10_000)
-    assert plan_gc(repo, GCSettings(grace=0, reflog_window=0)).chunks == ()
+    assert repo.plan_gc(GCSettings(grace=0, reflog_window=0)).chunks == ()
     repo.rm("ft/step1")
-    plan = plan_gc(repo, GCSettings(grace=0, reflog_window=0))
+    plan = repo.plan_gc(GCSettings(grace=0, reflog_window=0))
     assert set(plan.chunks) == {base_digest, delta_digest}
 
 
@@ -169,10 +168,10 @@ def test_a_manifest_that_lost_its_ref_race_keeps_its_chunks_through_grace() -> N
     with pytest.raises(RefConflict, match="is stored, retry or point a ref at it"):
         repo.save(state(2), "gates/bc_best", expected=None)
     clock.advance(60)
-    plan = plan_gc(repo, GCSettings(grace=600, reflog_window=0))
+    plan = repo.plan_gc(GCSettings(grace=600, reflog_window=0))
     assert plan.young_manifests == 1 and plan.chunks == () and plan.manifests == ()
     clock.advance(600)
-    plan = plan_gc(repo, GCSettings(grace=600, reflog_window=0))
+    plan = repo.plan_gc(GCSettings(grace=600, reflog_window=0))
     assert set(plan.chunks) == chunks_of(2) and len(plan.manifests) == 1
 
 
@@ -181,12 +180,12 @@ def test_chunk_reused_after_planning_is_put_back(tmp_path: Path) -> None:
     repo.save(state(1, 2), "runs/r1/a")
     repo.rm("runs/r1/a")
     age_files(tmp_path, 7200)
-    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=0))
+    plan = repo.plan_gc(GCSettings(grace=3600, reflog_window=0))
     assert set(plan.chunks) == chunks_of(1, 2)
     repo.save(state(2, 3), "runs/r1/b")  # reuses (touches) the chunks of tensor 2 meanwhile
     result = plan.execute()
     assert result.deleted_chunks == 2 and result.spared == 2
-    assert verify(repo, level="full").ok
+    assert repo.verify(level="full").ok
     assert_bit_exact(repo.load("runs/r1/b"), state(2, 3))
     assert not any((tmp_path / TRASH_DIR).iterdir())
 
@@ -202,11 +201,11 @@ def test_a_copy_of_an_old_history_entry_made_after_planning_survives_the_sweep(
     # GC's "now" is a file mtime, which the kernel's coarse clock can put a few ms before the
     # time.time() the ref history recorded; let the overwrite be clearly in the past.
     time.sleep(0.05)
-    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=0))
+    plan = repo.plan_gc(GCSettings(grace=3600, reflog_window=0))
     assert chunks_of(1, 2) <= set(plan.chunks) and plan.manifests
     repo.cp("runs/r1/a~1", "gates/restored", only=only)  # between planning and the sweep
     plan.execute()
-    assert verify(repo, level="full").ok
+    assert repo.verify(level="full").ok
     expected = state(1, 2) if only is None else {"t1": state(1, 2)["t1"]}
     assert_bit_exact(repo.load("gates/restored"), expected)
 
@@ -220,9 +219,9 @@ def test_objects_left_in_the_trash_by_a_killed_gc_are_put_back(tmp_path: Path) -
         local_root(repo) / chunk_key(victim),
         tmp_path / TRASH_DIR / chunk_key(victim).replace("/", "+"),
     )
-    assert not verify(repo).ok
-    plan_gc(repo, GCSettings(grace=0, reflog_window=0))
-    assert verify(repo, level="full").ok
+    assert not repo.verify().ok
+    repo.plan_gc(GCSettings(grace=0, reflog_window=0))
+    assert repo.verify(level="full").ok
 
 
 def test_stale_temp_files_go_after_the_grace_period_and_locks_stay(tmp_path: Path) -> None:
@@ -236,7 +235,7 @@ def test_stale_temp_files_go_after_the_grace_period_and_locks_stay(tmp_path: Pat
     os.utime(old, (past, past))
     locks = set((tmp / "locks").iterdir())
     assert locks
-    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=0))
+    plan = repo.plan_gc(GCSettings(grace=3600, reflog_window=0))
     assert plan.tmp_files == (old.name,)
     assert plan.execute().deleted_tmp_files == 1
     assert not old.exists() and new.exists() and locks <= set((tmp / "locks").iterdir())
@@ -263,7 +262,7 @@ def test_live_writer_lease_protects_what_it_wrote_and_an_expired_one_cannot_comm
     settings_ = GCSettings(grace=600, reflog_window=0)
     hold, lease, manifest = _write_under_lease(repo, (1,))
     clock.advance(1000)  # older than the grace period, but the lease is live
-    plan = plan_gc(repo, settings_)
+    plan = repo.plan_gc(settings_)
     assert plan.chunks == () and plan.spared_chunks == 2
     assert [live.writer for live in plan.live_leases] == [lease.writer_id]
     assert "live writer lease" in "\n".join(plan.summary())
@@ -274,14 +273,14 @@ def test_live_writer_lease_protects_what_it_wrote_and_an_expired_one_cannot_comm
 
     hold, _, manifest = _write_under_lease(repo, (2,))
     clock.advance(1800 + 61)  # paused past its lease: GC no longer honours it
-    plan = plan_gc(repo, settings_)
+    plan = repo.plan_gc(settings_)
     assert set(plan.chunks) == chunks_of(2) and len(plan.expired_leases) == 1
     assert plan.execute().reaped_leases == 1
     with pytest.raises(LeaseExpired, match="commit aborted"):
         repo.commit(manifest, "runs/r1/late")
     hold.__exit__(None, None, None)
     assert repo.refs_store.try_get("runs/r1/late") is None
-    assert verify(repo).ok
+    assert repo.verify().ok
 
 
 def test_du_and_stats_report_dedup_and_exclusive_bytes(tmp_path: Path) -> None:
@@ -440,7 +439,7 @@ class GCModel(RuleBasedStateMachine):
 
     @rule()
     def forget(self) -> None:
-        result = RetentionPolicy(rules=(Rule("runs/**", keep_last=1),)).apply(self.repo)
+        result = self.repo.forget(RetentionPolicy(rules=(Rule("runs/**", keep_last=1),)))
         for name in result.removed:
             del self.refs[name]
 
@@ -460,7 +459,7 @@ class GCModel(RuleBasedStateMachine):
         roots |= {d for d, (_, when) in self.manifests.items() if when >= cutoff}
         marked = set().union(*(self.manifests[d][0] for d in roots if d in self.manifests))
         expected = {c for c, when in self.chunk_time.items() if c in marked or when >= cutoff}
-        plan_gc(self.repo, self.settings).execute()
+        self.repo.plan_gc(self.settings).execute()
         assert chunk_digests(self.repo) == expected
         assert marked <= expected  # nothing reachable is ever deleted
         self.chunk_time = {c: w for c, w in self.chunk_time.items() if c in expected}
@@ -475,7 +474,7 @@ class GCModel(RuleBasedStateMachine):
     def every_ref_is_loadable(self) -> None:
         for name, (target, _, _) in self.refs.items():
             assert self.repo.resolve(name) == target
-            assert verify(self.repo, [name]).ok, name
+            assert self.repo.verify([name]).ok, name
 
     def teardown(self) -> None:
         if self.writer is not None:
@@ -521,13 +520,13 @@ def test_gc_without_settings_uses_the_grace_and_reflog_window_stored_in_the_conf
     clock.advance(2 * 3600)
     hold, _, _ = _write_under_lease(repo, (5,))  # a writer that gave up: orphan chunks
     hold.__exit__(None, None, None)
-    assert plan_gc(repo).chunks == ()  # the 3h window keeps state(1); the orphans are young
+    assert repo.plan_gc().chunks == ()  # the 3h window keeps state(1); the orphans are young
 
     clock.advance(30 * 60)
-    assert set(plan_gc(repo).chunks) == chunks_of(5)  # older than the 5 minute grace
+    assert set(repo.plan_gc().chunks) == chunks_of(5)  # older than the 5 minute grace
 
     clock.advance(31 * 60)  # state(1) left the ref 3h01m ago
-    plan = plan_gc(repo)
+    plan = repo.plan_gc()
     assert set(plan.chunks) == chunks_of(1, 5)
     plan.execute()
     assert chunk_digests(repo) == chunks_of(2)
@@ -550,7 +549,7 @@ def test_a_target_overwritten_a_minute_ago_is_kept_however_long_it_was_current()
     clock.advance(3 * 3600)  # current for three hours...
     repo.save(state(2), "runs/r1/latest")
     clock.advance(60)  # ...and overwritten a minute ago
-    plan = plan_gc(repo, GCSettings(grace=3600, reflog_window=3600))
+    plan = repo.plan_gc(GCSettings(grace=3600, reflog_window=3600))
     assert plan.history_manifests == 1 and plan.chunks == ()
     plan.execute()
     assert_bit_exact(repo.load("runs/r1/latest~1"), state(1))

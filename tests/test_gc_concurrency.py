@@ -19,9 +19,8 @@ import cas
 from cas.errors import LeaseExpired
 from cas.model.manifest import Manifest
 from cas.model.state import encode_state
-from cas.retention.gc import GCResult, GCSettings, plan_gc
-from cas.retention.sweep import TRASH_DIR
-from cas.retention.verify import verify
+from cas.objects.sweep import TRASH_DIR
+from cas.retention.gc import GCResult, GCSettings
 from tests.gc_workers import CHUNK, state, writer_loop
 from tests.helpers import assert_bit_exact
 from tests.retention_helpers import chunk_digests, local_repo, reachable_chunks, tensor
@@ -35,8 +34,8 @@ def _gc_while(alive: Callable[[], bool], store: Path) -> list[GCResult]:
     repo = cas.open(store, create=False, fsync=False)
     results = []
     while alive():
-        results.append(plan_gc(repo, NO_GRACE).execute())
-    results.append(plan_gc(repo, NO_GRACE).execute())
+        results.append(repo.plan_gc(NO_GRACE).execute())
+    results.append(repo.plan_gc(NO_GRACE).execute())
     return results
 
 
@@ -47,7 +46,7 @@ def _check_survivors(store: Path, saves: list[tuple[str, list[int]]]) -> None:
     assert names and names <= expected.keys()
     for name in names:
         assert_bit_exact(repo.load(name), state(*expected[name]))
-    assert verify(repo, level="full").ok
+    assert repo.verify(level="full").ok
     assert chunk_digests(repo) == reachable_chunks(repo)
 
 
@@ -112,13 +111,13 @@ def test_writer_paused_past_its_lease_cannot_commit(tmp_path: Path) -> None:
     thread.start()
     assert paused.wait(10)
     time.sleep(0.8)  # the writer is stuck past its lease and margin
-    result = plan_gc(local_repo(tmp_path), NO_GRACE).execute()
+    result = local_repo(tmp_path).plan_gc(NO_GRACE).execute()
     assert result.reaped_leases == 1 and result.deleted_chunks == 4  # what it had stored
     resume.set()
     thread.join()
     assert len(errors) == 1 and "commit aborted" in str(errors[0])
     assert repo.refs_store.try_get("w/ckpt_1") is None
-    assert verify(repo, level="full").ok
+    assert repo.verify(level="full").ok
     assert_bit_exact(repo.load("w/ckpt_0"), state(1))
 
     # Paused between its last chunk and the ref update: the commit is refused as well.
@@ -126,19 +125,19 @@ def test_writer_paused_past_its_lease_cannot_commit(tmp_path: Path) -> None:
         tree, sources = encode_state(state(4))
         entries, _ = repo.write_tensors(sources)
         time.sleep(0.8)
-        assert plan_gc(local_repo(tmp_path), NO_GRACE).execute().deleted_chunks == 2
+        assert local_repo(tmp_path).plan_gc(NO_GRACE).execute().deleted_chunks == 2
         try:
             repo.commit(Manifest("state", tuple(entries), tree, created_at=time.time()), "w/ckpt_2")
         except LeaseExpired:
             pass
         else:
             raise AssertionError("a writer whose lease expired committed")
-    assert repo.refs_store.try_get("w/ckpt_2") is None and verify(repo).ok
+    assert repo.refs_store.try_get("w/ckpt_2") is None and repo.verify().ok
 
 
 def _gc_once(store: str) -> None:
     repo = cas.open(store, create=False, fsync=False)
-    plan_gc(repo, NO_GRACE).execute()
+    repo.plan_gc(NO_GRACE).execute()
     os._exit(0)
 
 
@@ -170,9 +169,9 @@ def test_gc_killed_at_random_points_leaves_every_kept_ref_loadable(tmp_path: Pat
         fresh = cas.open(tmp_path, create=False)
         for name, seeds in kept.items():
             assert_bit_exact(fresh.load(name), state(*seeds))
-        assert verify(fresh, level="full").ok
+        assert fresh.verify(level="full").ok
         fresh.close()
     assert killed >= 10
-    plan_gc(repo, NO_GRACE).execute()
+    repo.plan_gc(NO_GRACE).execute()
     assert chunk_digests(repo) == reachable_chunks(repo)
     assert not list((tmp_path / TRASH_DIR).iterdir())

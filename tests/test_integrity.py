@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import cas
-from cas.retention.verify import verify
 from tests.helpers import local_root, small_chunk_repo
 
 
@@ -62,18 +61,18 @@ def test_verify_full_reports_corrupt_and_missing_chunks(tmp_path: Path) -> None:
     repo = small_chunk_repo(tmp_path / "store", chunk_size=4096)
     repo.save({"w": torch.randn(64, 64)}, "good")
     repo.save({"w": torch.randn(64, 64)}, "bad")
-    assert verify(repo, level="full").ok
+    assert repo.verify(level="full").ok
     bad_chunks = [c.digest for c in repo.manifest("bad").tensors[0].chunks]
     root = local_root(repo)
     corrupt = root / "chunks" / bad_chunks[0][:2] / bad_chunks[0]
     _flip_bit(corrupt, random.Random(2))
     (root / "chunks" / bad_chunks[1][:2] / bad_chunks[1]).unlink()
-    existence = verify(repo, level="existence")
+    existence = repo.verify(level="existence")
     assert [p.kind for p in existence.problems] == ["missing-chunk"]
-    full = verify(repo, level="full")
+    full = repo.verify(level="full")
     assert sorted(p.kind for p in full.problems) == ["corrupt-chunk", "missing-chunk"]
     assert {p.ref for p in full.problems} == {"bad"}
-    assert verify(repo, ["good"], level="full").ok
+    assert repo.verify(["good"], level="full").ok
 
 
 def test_sampled_verification_rotates_through_the_whole_store(tmp_path: Path) -> None:
@@ -82,7 +81,7 @@ def test_sampled_verification_rotates_through_the_whole_store(tmp_path: Path) ->
     total = len(repo.manifest("r").chunk_digests())
     covered = 0
     for _ in range(4):
-        covered += verify(repo, level="sample", sample_pct=25).rehashed_chunks
+        covered += repo.verify(level="sample", sample_pct=25).rehashed_chunks
     assert covered == total
 
 

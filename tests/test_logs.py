@@ -30,7 +30,7 @@ from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.objects.store import chunk_key
 from cas.refs.log import AppendLog, LogRecord, LogSegment
 from cas.refs.store import RefStore
-from cas.retention.evictions import append_evictions, eviction_logs, read_evictions
+from cas.retention.evictions import append_evictions
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.testing.races import RaceBlobStore
 from cas.training.history import TrainingHistory
@@ -253,18 +253,18 @@ def test_json_lines_eviction_logs_are_read_before_the_new_log(tmp_path: Path) ->
         "state/eviction-log/pool/2026-03.jsonl",
         b"".join(json.dumps(r).encode() + b"\n" for r in march),
     )
-    assert eviction_logs(repo) == ["pool"]
-    assert read_evictions(repo, "pool") == march
+    assert repo.eviction_logs() == ["pool"]
+    assert repo.eviction_log("pool") == march
     # A forget killed after logging under the old code and rerun now adds nothing twice.
-    assert append_evictions(repo, "pool", march[-1:]) == 0
+    assert append_evictions(repo.refs_store, "pool", march[-1:]) == 0
     for i in range(4):
         clock.advance(60)
         repo.save({"t": tensor(i, 256)}, f"pool/new{i}")
     policy = RetentionPolicy(rules=(Rule("pool/*", keep_last=1, eviction_log="pool"),))
-    assert policy.plan(repo).execute(repo).logged == 3
-    log = read_evictions(repo, "pool")
+    assert repo.plan_forget(policy).execute().logged == 3
+    log = repo.eviction_log("pool")
     assert log[:3] == march and [r["ref"] for r in log[3:]] == [f"pool/new{i}" for i in range(3)]
-    assert eviction_logs(repo) == ["pool"]
+    assert repo.eviction_logs() == ["pool"]
 
 
 # -- without torch ---------------------------------------------------------------------------------

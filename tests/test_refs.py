@@ -20,8 +20,7 @@ from cas.errors import FormatError, NotFound, RefConflict
 from cas.names import RefName
 from cas.objects.store import manifest_key
 from cas.refs.store import RefRecord, RefStore, ref_key
-from cas.retention.gc import GCSettings, plan_gc
-from cas.retention.verify import verify
+from cas.retention.gc import GCSettings
 from cas.training.manager import CheckpointManager
 from tests.retention_helpers import FakeClock, chunk_digests, local_repo, memory_repo, tensor
 
@@ -126,7 +125,7 @@ def test_a_missing_or_foreign_segment_is_a_clear_error(
     with pytest.raises(NotFound, match=r"ref 'a': history segment \w+: manifest \w+ is missing"):
         list(repo.refs_store.events(a))
     assert repo.resolve("a~0") == digests[0]  # the inline part still reads
-    report = verify(repo, level="structure")
+    report = repo.verify(level="structure")
     assert [(p.ref, p.kind) for p in report.problems] == [("a", "bad-history")]
 
 
@@ -154,7 +153,7 @@ def test_gc_reads_sealed_history_inside_the_reflog_window_and_keeps_the_segments
     assert len(record.history) <= 8 and record.depth == 20
     # Save i was current from minute i to minute i + 1; the window reaches back to minute 4, so
     # saves 3..19 are kept, most of them only through sealed segments.
-    plan_gc(repo, GCSettings(grace=0, reflog_window=15 * 60)).execute()
+    repo.plan_gc(GCSettings(grace=0, reflog_window=15 * 60)).execute()
     for i, digest in enumerate(digests):
         if i >= 3:
             assert repo.load(digest)["t"].equal(tensor(i, 8192))
@@ -170,7 +169,7 @@ def test_gc_sweeps_the_segments_of_a_deleted_ref(monkeypatch: pytest.MonkeyPatch
     sealed = repo.refs_store.get("runs/r/latest").sealed
     repo.rm("runs/r/latest")
     clock.advance(1)
-    plan_gc(repo, GCSettings(grace=0, reflog_window=0)).execute()
+    repo.plan_gc(GCSettings(grace=0, reflog_window=0)).execute()
     assert not any(repo.blobs.has(manifest_key(s.digest)) for s in sealed)
     assert chunk_digests(repo) == set()
 
@@ -185,9 +184,9 @@ def test_gc_refuses_when_a_segment_inside_the_window_is_missing(
     before = chunk_digests(repo)
     # Outside the window the segment is not needed, so GC goes ahead.
     assert oldest.until < clock() - 10 * 60
-    plan_gc(repo, GCSettings(grace=3600, reflog_window=10 * 60))
+    repo.plan_gc(GCSettings(grace=3600, reflog_window=10 * 60))
     with pytest.raises(NotFound, match="gc refused, nothing deleted: the history of ref"):
-        plan_gc(repo, GCSettings(grace=0, reflog_window=3600))
+        repo.plan_gc(GCSettings(grace=0, reflog_window=3600))
     assert chunk_digests(repo) == before
 
 

@@ -13,10 +13,8 @@ from cas import Repository
 from cas.cli import cli
 from cas.errors import LockHeld
 from cas.refs.maintenance import MaintenanceLock
-from cas.retention.evictions import read_evictions
-from cas.retention.gc import GCSettings, plan_gc
-from cas.retention.policy import Best, RetentionPolicy, Rule, plan_forget
-from cas.retention.space import disk_usage
+from cas.retention.gc import GCSettings
+from cas.retention.policy import Best, RetentionPolicy, Rule
 from tests.helpers import assert_bit_exact
 from tests.retention_helpers import (
     HOUR,
@@ -39,7 +37,7 @@ def ckpt_state(seed: int) -> dict[str, Any]:
 
 def collect(repo: Repository) -> None:
     """GC with the real clock (local mtimes are real), no grace and no history."""
-    plan_gc(repo, NO_GRACE).execute()
+    repo.plan_gc(NO_GRACE).execute()
 
 
 def test_hydra_fifo20_keeps_best_and_gates(tmp_path: Path) -> None:
@@ -80,7 +78,7 @@ def test_hydra_fifo20_keeps_best_and_gates(tmp_path: Path) -> None:
             ),
         )
     )
-    plan = plan_forget(repo, policy)
+    plan = repo.plan_forget(policy)
     assert {d.ref for d in plan.dropped} == {phase1[i] for i in (0, 1, 3, 4, 5)} | {
         phase2[i] for i in (0, 1, 2, 3, *range(5, 11))
     }
@@ -90,7 +88,7 @@ def test_hydra_fifo20_keeps_best_and_gates(tmp_path: Path) -> None:
     assert "latest of its group" in plan.decision(phase2[-1]).reasons
     assert plan.freed_bytes >= 15 * 12288
 
-    result = plan.execute(repo)
+    result = plan.execute()
     assert len(result.removed) == 15 and not result.skipped
     assert len(repo.refs(f"{RUN}/phase1/")) == 20 and len(repo.refs(f"{RUN}/phase2/ckpt_*")) == 20
     collect(repo)
@@ -98,7 +96,7 @@ def test_hydra_fifo20_keeps_best_and_gates(tmp_path: Path) -> None:
     assert_bit_exact(repo.load(f"{RUN}/gates/bc_best"), ckpt_state(2))
     assert_bit_exact(repo.load(f"{RUN}/gates/distill_best"), ckpt_state(104))
     assert_bit_exact(repo.load(f"{RUN}/phase2/best"), ckpt_state(104))
-    assert plan_forget(repo, policy).dropped == ()
+    assert repo.plan_forget(policy).dropped == ()
 
 
 def test_cobre_keep_last_3_plus_latest(tmp_path: Path) -> None:
@@ -115,7 +113,7 @@ def test_cobre_keep_last_3_plus_latest(tmp_path: Path) -> None:
         ref = f"cobre/policy/ckpt_iter{iteration:06d}"
         repo.save(ckpt_state(iteration), ref, {"completed_iterations": iteration})
         repo.cp(ref, "cobre/policy/latest")
-        policy.apply(repo)  # step 5 of Cobre's write protocol, after every checkpoint
+        repo.forget(policy)  # step 5 of Cobre's write protocol, after every checkpoint
         names.append(ref)
     assert [r.name for r in repo.refs("cobre/")] == [*names[-3:], "cobre/policy/latest"]
     collect(repo)
@@ -126,11 +124,11 @@ def test_cobre_keep_last_3_plus_latest(tmp_path: Path) -> None:
     repo.cp(names[-3], "cobre/policy/latest")
     clock.advance(120)
     repo.save(ckpt_state(90), "cobre/policy/ckpt_iter000090")
-    plan = policy.plan(repo)
+    plan = repo.plan_forget(policy)
     assert [d.ref for d in plan.dropped] == []
     assert "same checkpoint as cobre/policy/latest" in plan.decision(names[-3]).reasons
     repo.save(ckpt_state(100), "cobre/policy/ckpt_iter000100")
-    assert [d.ref for d in policy.plan(repo).dropped] == [names[-2]]
+    assert [d.ref for d in repo.plan_forget(policy).dropped] == [names[-2]]
 
 
 UNIT = 64 << 10
@@ -173,7 +171,7 @@ def _llm_policy(budget_units: float) -> RetentionPolicy:
 
 def test_retention_manager_worked_example_36h_then_budget(tmp_path: Path) -> None:
     repo, _ = _llm_store(tmp_path)
-    plan = plan_forget(repo, _llm_policy(150))
+    plan = repo.plan_forget(_llm_policy(150))
     assert [d.ref for d in plan.dropped] == [
         "checkpoints/checkpoint-1000",
         "checkpoints/checkpoint-500",
@@ -187,7 +185,7 @@ def test_retention_manager_worked_example_36h_then_budget(tmp_path: Path) -> Non
     assert not plan.warnings
 
     # A 25 GB budget: snapshots older than two days go first, oldest first, then old checkpoints.
-    tight = plan_forget(repo, _llm_policy(25))
+    tight = repo.plan_forget(_llm_policy(25))
     snapshots = [f"snapshots/2025-11-{day}" for day in range(13, 21)]
     budget_drops = [
         d.ref for d in sorted(tight.dropped, key=lambda d: d.time) if "budget" in d.reasons[0]
@@ -200,18 +198,18 @@ def test_retention_manager_worked_example_36h_then_budget(tmp_path: Path) -> Non
     # Nothing is changed by planning; executing, then GC, frees exactly the planned bytes.
     before = chunk_digests(repo)
     assert len(repo.refs()) == 19
-    result = tight.execute(repo)
+    result = tight.execute()
     assert len(result.removed) == 12
     collect(repo)
     assert chunk_digests(repo) == reachable_chunks(repo) and chunk_digests(repo) < before
-    assert disk_usage(repo).stored_bytes == tight.bytes_after
+    assert repo.disk_usage().stored_bytes == tight.bytes_after
     protected_left = {"snapshots/2025-11-21", "snapshots/2025-11-22", "checkpoints/checkpoint-3000"}
     assert protected_left <= {r.name for r in repo.refs()}
 
 
 def test_budget_that_only_protected_refs_exceed_is_reported_not_violated(tmp_path: Path) -> None:
     repo, _ = _llm_store(tmp_path)
-    plan = plan_forget(repo, _llm_policy(5))
+    plan = repo.plan_forget(_llm_policy(5))
     assert plan.warnings and "everything left is protected" in plan.warnings[0]
     kept = {d.ref for d in plan.kept}
     assert {"checkpoints/checkpoint-4000", "checkpoints/checkpoint-3000", "latest"} <= kept
@@ -223,13 +221,30 @@ def test_daily_weights_only_snapshot_costs_no_chunk_bytes(tmp_path: Path) -> Non
     chunks = chunk_digests(repo)
     repo.cp("checkpoints/checkpoint-4000", "snapshots/2025-11-22", only="model.*")
     assert chunk_digests(repo) == chunks
-    snapshot = disk_usage(repo, "snapshots/")
+    snapshot = repo.disk_usage("snapshots/")
     assert snapshot.exclusive_bytes < 1024  # its manifest; every chunk is the checkpoint's
     assert snapshot.shared_bytes >= 8192
     repo.rm("checkpoints/checkpoint-4000")
     collect(repo)
     assert len(chunk_digests(repo)) == 2  # the optimizer chunk went, the weights stayed
     assert_bit_exact(repo.load("snapshots/2025-11-22"), {"model": ckpt_state(1)["model"]})
+
+
+def test_du_counts_what_two_copies_share_as_exclusive_to_the_pair_not_to_either(
+    tmp_path: Path,
+) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(ckpt_state(1), "runs/a/ckpt")
+    repo.cp("runs/a/ckpt", "runs/a/copy")  # the same manifest and chunks
+    repo.save(ckpt_state(2), "runs/b/ckpt")
+    pair = repo.disk_usage("runs/a/")
+    assert [row.exclusive_bytes for row in pair.refs] == [0, 0]  # each needs the other's bytes
+    assert pair.exclusive_bytes == pair.stored_bytes > 0  # but no ref outside the pair does
+    assert pair.shared_bytes == 0
+    other = repo.disk_usage("runs/b/")
+    everything = repo.disk_usage()
+    assert everything.exclusive_bytes == everything.stored_bytes
+    assert everything.stored_bytes == pair.stored_bytes + other.stored_bytes
 
 
 def test_pool_fifo_with_anchors_and_eviction_log(tmp_path: Path) -> None:
@@ -258,11 +273,11 @@ def test_pool_fifo_with_anchors_and_eviction_log(tmp_path: Path) -> None:
             f"{pool}/pool_v{version:04d}_step{step:08d}",
             meta,
         )
-        policy.apply(repo)
+        repo.forget(policy)
     roster = [r.name.rsplit("/", 1)[1] for r in repo.refs(pool)]
     assert roster[:2] == ["anchor_bc_best", "anchor_distill_best"]
     assert [name[:10] for name in roster[2:]] == [f"pool_v{v:04d}" for v in range(13, 31)]
-    log = read_evictions(repo, "pool")
+    log = repo.eviction_log("pool")
     assert [r["meta"]["version"] for r in log] == list(range(1, 13))
     assert log[0]["meta"] == {"version": 1, "mu": 26.0, "sigma": 8.0, "games": 10, "win_rate": 0.5}
     assert all("over max-count 20" in r["reason"] for r in log)
@@ -270,11 +285,11 @@ def test_pool_fifo_with_anchors_and_eviction_log(tmp_path: Path) -> None:
     # Replaying a plan (a forget killed after logging) neither removes nor logs anything twice.
     clock.advance(60)
     repo.save({"model": tensor(7, 8192)}, f"{pool}/pool_v0031_step00135500", {"version": 31})
-    plan = policy.plan(repo)
-    first, again = plan.execute(repo), plan.execute(repo)
+    plan = repo.plan_forget(policy)
+    first, again = plan.execute(), plan.execute()
     assert first.logged == 1 and first.removed == (f"{pool}/pool_v0013_step00126500",)
     assert again.logged == 0 and again.removed == () and again.skipped[0][1] == "already gone"
-    assert len(read_evictions(repo, "pool")) == 13
+    assert len(repo.eviction_log("pool")) == 13
 
 
 def test_plan_skips_a_ref_that_moved_after_planning(tmp_path: Path) -> None:
@@ -283,10 +298,10 @@ def test_plan_skips_a_ref_that_moved_after_planning(tmp_path: Path) -> None:
     for i in range(4):
         clock.advance(60)
         repo.save(ckpt_state(i), f"r/ckpt_{i}")
-    plan = RetentionPolicy(rules=(Rule("r/*", keep_last=2),)).plan(repo)
+    plan = repo.plan_forget(RetentionPolicy(rules=(Rule("r/*", keep_last=2),)))
     assert [d.ref for d in plan.dropped] == ["r/ckpt_1", "r/ckpt_0"]
     repo.save(ckpt_state(9), "r/ckpt_0")  # re-saved after the plan was made
-    result = plan.execute(repo)
+    result = plan.execute()
     assert result.removed == ("r/ckpt_1",)
     assert result.skipped == (("r/ckpt_0", "moved since the plan"),)
     assert_bit_exact(repo.load("r/ckpt_0"), ckpt_state(9))
@@ -308,14 +323,14 @@ def test_periodic_buckets_groups_and_best_max(tmp_path: Path) -> None:
         keep_hourly=3,
         keep_best=(Best("rating", "max", 1),),
     )
-    plan = plan_forget(repo, RetentionPolicy(rules=(rule,)), now=utc("2026-05-04 00:00"))
+    plan = repo.plan_forget(RetentionPolicy(rules=(rule,)), now=utc("2026-05-04 00:00"))
     for run in ("a", "b"):
         kept = sorted(d.ref.rsplit("_", 1)[1] for d in plan.kept if d.group == run)
         # hourly: 71, 70, 69; daily: 71 (May 3), 47 (May 2); best rating 6: hour 69 (newest).
         assert kept == ["047", "069", "070", "071"]
         assert "daily 2026-05-02" in plan.decision(f"runs/{run}/phase1/ckpt_047").reasons
         assert "best rating=6 (max)" in plan.decision(f"runs/{run}/phase1/ckpt_069").reasons
-    depth = plan_forget(repo, RetentionPolicy(rules=(Rule("runs/**", group_by=1, keep_last=1),)))
+    depth = repo.plan_forget(RetentionPolicy(rules=(Rule("runs/**", group_by=1, keep_last=1),)))
     assert [d.ref for d in depth.kept] == ["runs/b/phase1/ckpt_071"]
 
 
@@ -338,7 +353,7 @@ def test_policy_round_trips_through_the_store_config(tmp_path: Path) -> None:
         max_total_bytes=150 << 30,
         timezone="Europe/Berlin",
     )
-    policy.store(repo)
+    repo.store_retention_policy(policy)
     reopened = local_repo(tmp_path)
     assert RetentionPolicy.from_config(reopened.config.extra) == policy
     assert RetentionPolicy.from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
@@ -422,13 +437,13 @@ def test_two_maintenance_runs_never_interleave(tmp_path: Path) -> None:
     policy = RetentionPolicy(rules=(Rule("r/*", keep_last=1),))
     with MaintenanceLock(repo.blobs, clock, operation="gc"):
         with pytest.raises(LockHeld, match="gc by"):
-            policy.apply(repo)
+            repo.forget(policy)
         with pytest.raises(LockHeld):
-            plan_gc(repo, NO_GRACE)
-    policy.apply(repo)  # released
+            repo.plan_gc(NO_GRACE)
+    repo.forget(policy)  # released
     MaintenanceLock(repo.blobs, clock, duration=60).acquire()
     clock.advance(61)  # its holder died: once expired the lock is taken over
-    policy.apply(repo)
+    repo.forget(policy)
     assert CliRunner().invoke(cli, ["--store", str(tmp_path), "leases"]).output.endswith("free\n")
 
 
@@ -459,7 +474,7 @@ def test_a_character_class_in_protect_keeps_its_refs(tmp_path: Path) -> None:
         clock.advance(600)
         repo.save(ckpt_state(i), name)
     policy = RetentionPolicy(rules=(Rule("pool/**", keep_last=2, protect=("pool/anchor_[0-9]*",)),))
-    policy.apply(repo)
+    repo.forget(policy)
     assert [r.name for r in repo.refs("pool")] == ["pool/anchor_1", "pool/v3", "pool/v4"]
 
 
@@ -484,10 +499,10 @@ def test_a_ref_set_again_between_plan_and_execute_is_not_removed() -> None:
     repo.save({"w": tensor(2, 4096)}, "ckpt/b")
     repo.cp("ckpt/b", "snap/y")
     policy = RetentionPolicy(rules=(Rule("snap/*", time="ref", protect_within=HOUR, keep_last=1),))
-    plan = policy.plan(repo)
+    plan = repo.plan_forget(policy)
     assert [d.ref for d in plan.dropped] == ["snap/x"]
     clock.advance(60)
     repo.cp("ckpt/a", "snap/x")  # re-promoted to the same manifest: now protected
-    result = plan.execute(repo)
+    result = plan.execute()
     assert result.removed == () and result.skipped == (("snap/x", "moved since the plan"),)
     assert repo.resolve("snap/x") == repo.resolve("ckpt/a")

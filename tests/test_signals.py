@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import cas
-from cas.retention.verify import verify
 
 SCRIPT = Path(__file__).with_name("train_script.py")
 
@@ -164,7 +163,7 @@ def test_sigkill_during_async_save_leaves_previous_checkpoint_as_latest(tmp_path
         assert not repo.refs("runs/killed/phase1/ckpt_phase1_step00000010")
         state = repo.load("runs/killed/latest")["state"]
         assert set(state) == {"model", "optimizer", "scheduler"}
-        report = verify(repo, ["runs/killed/"], level="full")
+        report = repo.verify(["runs/killed/"], level="full")
         assert report.ok, report.problems
 
     resumed = run_to_end(store, "killed", "--steps", "8")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +21,15 @@ from cas.blobstore import BlobStore, LocalBlobStore
 from cas.blobstore.retry import RetryingBlobStore, RetryPolicy
 from cas.blobstore.s3 import S3BlobStore
 from cas.cli import cli
+from cas.codecs import codec_by_name
+from cas.digest import Digest
 from cas.errors import BackendError, IntegrityError, RefConflict
-from cas.objects.store import chunk_key
+from cas.objects.inventory import LIST_MIN_KEYS
+from cas.objects.keys import ObjectKind
+from cas.objects.store import ObjectStore, chunk_key
 from cas.repo.config import StoreConfig, write_config
 from cas.repo.repository import Repository
-from cas.sync.transfer import LIST_MIN_KEYS, TransferConflict, find_missing, pull, push
+from cas.sync.transfer import TransferConflict
 from cas.testing.faulty import FaultyBlobStore
 from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer
 from tests.helpers import assert_bit_exact, small_chunk_repo
@@ -58,7 +64,7 @@ def test_push_then_pull_through_s3_is_bit_exact(tmp_path: Path, s3_url: str) -> 
     local.save(layered_state(layers=2, seed=3), "runs/r2/ckpt_step00000100")
     remote = s3_repo(s3_url)
 
-    pushed = push(local, remote, ["runs/r1/**"])
+    pushed = local.push(remote, ["runs/r1/**"])
 
     assert [r.name for r in pushed.refs] == [
         "runs/r1/ckpt_step00000100",
@@ -67,7 +73,7 @@ def test_push_then_pull_through_s3_is_bit_exact(tmp_path: Path, s3_url: str) -> 
     assert all(r.status == "created" for r in pushed.refs)
     assert [r.name for r in remote.refs()] == [r.name for r in pushed.refs]
     elsewhere = small_chunk_repo(tmp_path / "elsewhere")
-    pulled = pull(elsewhere, cas.open(s3_url), ["runs/r1/ckpt_step00000100"])
+    pulled = elsewhere.pull(cas.open(s3_url), ["runs/r1/ckpt_step00000100"])
     assert pulled.bytes_moved == total_tensor_bytes(state)
     assert_bit_exact(elsewhere.load("runs/r1/ckpt_step00000100"), state)
     assert elsewhere.resolve("runs/r1/ckpt_step00000100") == local.resolve(
@@ -83,9 +89,9 @@ def test_repushing_an_unchanged_checkpoint_moves_zero_chunk_bytes(
     state = layered_state(seed=4)
     local.save(state, "runs/r1/latest")
     remote = s3_repo(s3_url)
-    first = push(local, remote, ["runs/r1/latest"])
+    first = local.push(remote, ["runs/r1/latest"])
 
-    again = push(local, remote, ["runs/r1/latest"])
+    again = local.push(remote, ["runs/r1/latest"])
 
     assert first.bytes_moved == total_tensor_bytes(state)
     assert again.bytes_moved == 0 and again.chunks_moved == 0 and again.manifests_moved == 0
@@ -101,7 +107,7 @@ def test_push_after_changing_a_tenth_of_the_tensors_moves_about_a_tenth(
     state = layered_state(layers=20, seed=5)
     local.save(state, "runs/r1/latest")
     remote = s3_repo(s3_url)
-    push(local, remote, ["runs/r1"])
+    local.push(remote, ["runs/r1"])
     for name in ("layer03.weight", "layer17.weight"):
         state["model"][name] = state["model"][name] + 1.0
     local.save(state, "runs/r1/latest")
@@ -111,7 +117,7 @@ def test_push_after_changing_a_tenth_of_the_tensors_moves_about_a_tenth(
         seen["moved"] += moved
         seen["skipped"] += skipped
 
-    report = push(local, remote, ["runs/r1"], progress=progress)
+    report = local.push(remote, ["runs/r1"], progress=progress)
 
     share = report.bytes_moved / total_tensor_bytes(state)
     assert 0.08 <= share <= 0.12, share
@@ -125,33 +131,53 @@ def test_push_after_changing_a_tenth_of_the_tensors_moves_about_a_tenth(
 def test_many_candidate_chunks_are_checked_by_listing_their_prefix(
     s3_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("cas.sync.transfer.LIST_MIN_KEYS", 16)
+    monkeypatch.setattr("cas.objects.inventory.LIST_MIN_KEYS", 16)
     blobs = S3BlobStore.from_url(s3_url)
-    keys = [f"chunks/00/00{i:062x}" for i in range(40)]
-    for key in keys[::2]:
-        blobs.put(key, b"x")
+    digests = [Digest(f"00{i:062x}") for i in range(40)]
+    for digest in digests[::2]:
+        blobs.put(chunk_key(digest), b"x")
 
-    missing, method = find_missing(blobs, keys)
+    missing, method = ObjectStore(blobs).missing(ObjectKind.CHUNK, digests)
 
     assert LIST_MIN_KEYS > 16  # the production threshold is untouched
     assert method == "list"  # one LIST beats forty HEADs
-    assert missing == set(keys[1::2])
+    assert missing == set(digests[1::2])
+
+
+def test_copying_a_chunk_the_destination_holds_keeps_its_encoding_and_refreshes_it(
+    tmp_path: Path,
+) -> None:
+    src, dst = small_chunk_repo(tmp_path / "src"), small_chunk_repo(tmp_path / "dst")
+    data = bytes(range(256)) * 256
+    digest = src.objects.put_chunk(data, codec_by_name("zstd")).digest
+    dst.objects.put_chunk(data, codec_by_name("raw"))
+    key = chunk_key(digest)
+    stored_raw = dst.blobs.get(key)
+    an_hour_ago = time.time() - 3600
+    os.utime(tmp_path / "dst" / key, (an_hour_ago, an_hour_ago))
+
+    copied = src.objects.copy(ObjectKind.CHUNK, digest, dst.objects)
+
+    assert not copied.created
+    assert dst.blobs.get(key) == stored_raw  # the destination's own encoding stays
+    assert dst.blobs.stat(key).mtime > an_hour_ago + 1800  # and GC's age check now spares it
+    assert dst.objects.get_chunk(digest) == data
 
 
 def test_a_push_that_finds_missing_chunks_by_listing_moves_only_those(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 4 KiB chunks: 640 keys, several per chunks/<xx>/ prefix, so a listing is the cheaper way.
-    monkeypatch.setattr("cas.sync.transfer.LIST_MIN_KEYS", 16)
+    monkeypatch.setattr("cas.objects.inventory.LIST_MIN_KEYS", 16)
     local = small_chunk_repo(tmp_path / "local", chunk_size=4096)
     remote = small_chunk_repo(tmp_path / "remote", chunk_size=4096)
     state = layered_state(layers=10, seed=6)
     local.save(state, "a")
-    push(local, remote, ["a"])
+    local.push(remote, ["a"])
     state["model"]["layer00.weight"] = -state["model"]["layer00.weight"]
     local.save(state, "b")
 
-    report = push(local, remote, ["b"])
+    report = local.push(remote, ["b"])
 
     assert report.lookup == "list"
     assert report.bytes_moved == state["model"]["layer00.weight"].numel() * 4
@@ -185,7 +211,7 @@ def test_server_stopped_mid_push_leaves_the_old_checkpoint_and_the_rerun_moves_t
     local = small_chunk_repo(tmp_path / "local")
     old_state = layered_state(layers=4, seed=7)
     old = local.save(old_state, "runs/r1/latest")
-    push(local, s3_repo(url, endpoint_url=server.endpoint_url), ["runs/r1/latest"])
+    local.push(s3_repo(url, endpoint_url=server.endpoint_url), ["runs/r1/latest"])
     new_state = layered_state(layers=16, seed=8)
     new = local.save(new_state, "runs/r1/latest")
     new_bytes = total_tensor_bytes(new_state)
@@ -201,8 +227,7 @@ def test_server_stopped_mid_push_leaves_the_old_checkpoint_and_the_rerun_moves_t
                 server.stop()
 
     with pytest.raises(BackendError, match="no destination ref was changed"):
-        push(
-            local,
+        local.push(
             # botocore's own retry sleeps only slow the test down; cas's retry layer stays on.
             s3_repo(url, endpoint_url=server.endpoint_url, max_attempts=1),
             ["runs/r1/latest"],
@@ -214,7 +239,7 @@ def test_server_stopped_mid_push_leaves_the_old_checkpoint_and_the_rerun_moves_t
     assert remote.resolve("runs/r1/latest") == old
     assert_bit_exact(remote.load("runs/r1/latest"), old_state)
 
-    rerun = push(local, remote, ["runs/r1/latest"])
+    rerun = local.push(remote, ["runs/r1/latest"])
 
     assert rerun.refs[0].status == "updated" and remote.resolve("runs/r1/latest") == new
     assert 0 < rerun.bytes_moved <= new_bytes - new_bytes // 4
@@ -244,8 +269,8 @@ def test_saves_and_pushes_complete_bit_exact_with_5_percent_transient_failures(
 
     local.save(state, "runs/r1/latest")
     remote.save(layered_state(layers=2, seed=10), "runs/r0/latest")
-    push(local, remote, ["runs/r1/latest"])
-    pull(back, remote, ["runs/**"])
+    local.push(remote, ["runs/r1/latest"])
+    back.pull(remote, ["runs/**"])
 
     assert_bit_exact(back.load("runs/r1/latest"), state)
     assert_bit_exact(back.load("runs/r0/latest"), layered_state(layers=2, seed=10))
@@ -266,13 +291,13 @@ def test_a_ref_moved_during_the_push_is_a_conflict_and_nothing_is_lost(tmp_path:
             interloper.save(theirs_state, "gates/best")
 
     with pytest.raises(RefConflict) as caught:
-        push(local, remote, ["gates/best"], jobs=1, progress=another_writer_moves_the_ref)
+        local.push(remote, ["gates/best"], jobs=1, progress=another_writer_moves_the_ref)
 
     assert isinstance(caught.value, TransferConflict)
     assert caught.value.report.refs[0].status == "conflict"
     assert_bit_exact(remote.load("gates/best"), theirs_state)
     assert_bit_exact(remote.load(ours), state)  # our manifest and chunks arrived all the same
-    assert push(local, remote, ["gates/best"]).bytes_moved == 0
+    assert local.push(remote, ["gates/best"]).bytes_moved == 0
 
 
 def test_a_corrupt_source_chunk_stops_the_push_before_any_ref_moves(tmp_path: Path) -> None:
@@ -286,7 +311,7 @@ def test_a_corrupt_source_chunk_stops_the_push_before_any_ref_moves(tmp_path: Pa
     path.write_bytes(bytes(data))
 
     with pytest.raises(IntegrityError, match=victim):
-        push(local, remote, ["runs/r1/latest"])
+        local.push(remote, ["runs/r1/latest"])
 
     assert remote.refs() == []
     assert not remote.blobs.has(chunk_key(victim))
@@ -296,7 +321,7 @@ def test_selectors_that_match_nothing_are_a_clear_error(tmp_path: Path) -> None:
     local = small_chunk_repo(tmp_path / "local")
     local.save(layered_state(layers=1), "runs/r1/latest")
     with pytest.raises(cas.NotFound, match="runs/r9"):
-        push(local, small_chunk_repo(tmp_path / "remote"), ["runs/r1/latest", "runs/r9/**"])
+        local.push(small_chunk_repo(tmp_path / "remote"), ["runs/r1/latest", "runs/r9/**"])
 
 
 @pytest.mark.s3
@@ -357,7 +382,7 @@ def test_an_archive_push_can_recompress_chunks_and_stays_bit_exact(tmp_path: Pat
     state = {"mask": (torch.arange(256 * 1024) % 7 == 0).float(), "step": 1}
     local.save(state, "runs/r1/latest")
 
-    report = push(local, remote, ["runs/r1/latest"], codec="zstd")
+    report = local.push(remote, ["runs/r1/latest"], codec="zstd")
 
     assert report.wire_bytes < report.bytes_moved // 4
     for digest in remote.manifest("runs/r1/latest").chunk_digests():

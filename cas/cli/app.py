@@ -33,13 +33,13 @@ class Context:
 
     def open_url(self, url: str | None, **kw: Any) -> Any:
         """Open a store by URL (None: the default); ``--endpoint-url`` applies to S3 URLs only."""
-        import cas
+        from cas.repo.opening import open as open_store
 
         options: dict[str, Any] = {}
         # AWS_ENDPOINT_URL feeds --endpoint-url; only S3 stores take it (a local one would fail).
         if self.endpoint_url and (url or "").startswith(("s3://", "s3a://")):
             options["endpoint_url"] = self.endpoint_url
-        return cas.open(url, **kw, **options)
+        return open_store(url, **kw, **options)
 
 
 class CASGroup(click.Group):

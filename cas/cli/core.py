@@ -45,10 +45,10 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     if codec:
         standalone_codec(codec, 1)  # an unknown name is an error here
         config = replace(config, codec=codec)
-    import cas
     from cas.errors import AlreadyExists
+    from cas.repo.opening import open as open_store
 
-    repo = cas.open(obj.store, config=config.validate())
+    repo = open_store(obj.store, config=config.validate())
     asked = {"chunk_size": chunk_size, "codec": codec}
     ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
     if ignored:
@@ -349,14 +349,10 @@ def verify(
     obj: Context, refs: tuple[str, ...], full: bool, sample: float | None, as_json: bool
 ) -> None:
     """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem."""
-    from cas.retention.verify import verify as run_verify
-
     repo = obj.open(create=False, readonly=not sample)
     level = "full" if full else "sample" if sample else "existence"
     with progress_bar(obj, None, "verify") as update:
-        report = run_verify(
-            repo, refs or ("",), level=level, sample_pct=sample or 0.0, progress=update
-        )
+        report = repo.verify(refs or ("",), level=level, sample_pct=sample or 0.0, progress=update)
     if as_json:
         emit_json(
             {

@@ -84,15 +84,13 @@ def run_gc(
     ``dry_run``; return the JSON document."""
     from dataclasses import replace
 
-    from cas.retention.gc import GCSettings, plan_gc
-
-    settings = GCSettings.from_config(repo.config.extra)
+    settings = repo.gc_settings()
     settings = replace(
         settings,
         grace=settings.grace if grace is None else grace,
         reflog_window=settings.reflog_window if window is None else window,
     )
-    plan = plan_gc(repo, settings)
+    plan = repo.plan_gc(settings)
     doc: dict[str, Any] = {"dry_run": dry_run, "plan": plan.to_dict(keys=list_keys)}
     if not as_json:
         for line in plan.summary():
@@ -120,10 +118,8 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
     logical: bytes a reader gets back; stored: bytes on storage; exclusive: freed if the
     selection were removed (then `cas gc`); shared: stored bytes other refs also need.
     """
-    from cas.retention.space import disk_usage
-
     repo = obj.open(create=False, readonly=True)
-    report = disk_usage(repo, selector)
+    report = repo.disk_usage(selector)
     if as_json:
         emit_json(report.to_dict())
         return
@@ -148,10 +144,8 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
 @pass_ctx
 def stats(obj: Context, as_json: bool) -> None:
     """Chunk, manifest and ref counts, and how much dedup and compression save."""
-    from cas.retention.space import store_stats
-
     repo = obj.open(create=False, readonly=True)
-    s = store_stats(repo)
+    s = repo.store_stats()
     if as_json:
         emit_json(s.to_dict())
         return

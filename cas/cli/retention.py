@@ -169,7 +169,7 @@ def _policy_from_flags(repo: Any, options: dict[str, Any]) -> Any:
 
     rule = _rule_from(options)
     changes = _policy_changes(options)
-    stored = RetentionPolicy.from_config(repo.config.extra)
+    stored = repo.retention_policy()
     if rule is None and all(v is None for v in changes.values()):
         if stored is None:
             raise click.UsageError(
@@ -216,17 +216,15 @@ def forget(
       cas forget --select 'runs/*/phase*/ckpt_*' --max-count 20 --protect-targets-of 'runs/*/gates/*'
       cas policy set ... && cas forget --prune        (what a cron job runs)
     """
-    from cas.retention.policy import plan_forget
-
     repo = obj.open(create=False)
     policy = _policy_from_flags(repo, options)
-    plan = plan_forget(repo, policy)
+    plan = repo.plan_forget(policy)
     out: dict[str, Any] = {"dry_run": dry_run, "plan": plan.to_dict()}
     if not as_json:
         for line in plan.summary(show_kept=verbose):
             click.echo(line)
     if not dry_run:
-        result = plan.execute(repo)
+        result = plan.execute()
         out["result"] = {
             "removed": list(result.removed),
             "skipped": [list(s) for s in result.skipped],
@@ -255,13 +253,12 @@ def policy() -> None:
 @pass_ctx
 def policy_show(obj: Context, as_json: bool) -> None:
     """The stored policy and GC settings."""
-    from cas.retention.gc import GCSettings
     from cas.retention.policy import RetentionPolicy
     from cas.units import format_duration
 
     repo = obj.open(create=False, readonly=True)
-    stored = RetentionPolicy.from_config(repo.config.extra)
-    settings = GCSettings.from_config(repo.config.extra)
+    stored = repo.retention_policy()
+    settings = repo.gc_settings()
     if as_json:
         emit_json({"retention": stored.to_dict() if stored else None, "gc": settings.to_config()})
         return
@@ -319,13 +316,12 @@ def _store_policy(
     from dataclasses import replace
 
     from cas.errors import FormatError
-    from cas.retention.gc import GC_SECTION, GCSettings
     from cas.retention.policy import RetentionPolicy, policy_with
 
     repo = obj.open(create=False)
     rule = _rule_from(options)
     changes = _policy_changes(options)
-    stored = RetentionPolicy.from_config(repo.config.extra) or RetentionPolicy()
+    stored = repo.retention_policy() or RetentionPolicy()
     if policy_file is not None:
         try:
             new = RetentionPolicy.from_dict(json.loads(policy_file.read_text()))
@@ -339,18 +335,16 @@ def _store_policy(
         new = policy_with(new, **changes)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    new.store(repo)
+    repo.store_retention_policy(new)
     if grace is not None or window is not None:
-        settings = GCSettings.from_config(repo.config.extra)
-        settings = replace(
-            settings,
-            grace=settings.grace if grace is None else grace,
-            reflog_window=settings.reflog_window if window is None else window,
+        settings = repo.gc_settings()
+        repo.store_gc_settings(
+            replace(
+                settings,
+                grace=settings.grace if grace is None else grace,
+                reflog_window=settings.reflog_window if window is None else window,
+            )
         )
-        repo.config = repo.config.with_extra(GC_SECTION, settings.to_config())
-        from cas.repo.config import write_config
-
-        write_config(repo.blobs, repo.config)
     for line in new.describe():
         click.echo(line)
 
@@ -359,12 +353,8 @@ def _store_policy(
 @pass_ctx
 def policy_clear(obj: Context) -> None:
     """Remove the stored policy (a plain `cas forget` then refuses to run)."""
-    from cas.repo.config import write_config
-    from cas.retention.policy import RETENTION_SECTION
-
     repo = obj.open(create=False)
-    repo.config = repo.config.with_extra(RETENTION_SECTION, None)
-    write_config(repo.blobs, repo.config)
+    repo.store_retention_policy(None)
     click.echo("retention policy removed")
 
 
@@ -374,17 +364,15 @@ def policy_clear(obj: Context) -> None:
 @pass_ctx
 def policy_log(obj: Context, name: str | None, as_json: bool) -> None:
     """Records of an eviction log (without NAME: the logs there are)."""
-    from cas.retention.evictions import eviction_logs, read_evictions
-
     repo = obj.open(create=False, readonly=True)
     if name is None:
-        names = eviction_logs(repo)
+        names = repo.eviction_logs()
         if as_json:
             emit_json(names)
         for log_name in [] if as_json else names:
             click.echo(log_name)
         return
-    records = read_evictions(repo, name)
+    records = repo.eviction_log(name)
     if as_json:
         emit_json(records)
         return

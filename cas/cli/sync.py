@@ -66,12 +66,10 @@ def push(
     Only chunks the destination lacks are sent; its refs move last, by compare-and-swap.
     Interrupted, run it again: it sends only the rest.
     """
-    from cas.sync.transfer import push as run_push
-
     local = obj.open(create=False)
     remote = obj.open_url(url, config=local.config)
     with _transfer_bar(obj, f"push {url}") as update:
-        report = run_push(local, remote, list(refs), jobs=jobs, progress=update, codec=codec)
+        report = local.push(remote, list(refs), jobs=jobs, progress=update, codec=codec)
     if as_json:
         emit_json(report.as_dict())
     else:
@@ -92,7 +90,6 @@ def pull(
 ) -> None:
     """Copy REFS (names, prefixes or globs) from the store at URL into this one."""
     from cas.errors import NotFound
-    from cas.sync.transfer import pull as run_pull
 
     remote = obj.open_url(url, create=False, readonly=True)
     try:
@@ -100,7 +97,7 @@ def pull(
     except NotFound:
         local = obj.open_url(obj.store, config=remote.config)
     with _transfer_bar(obj, f"pull {url}") as update:
-        report = run_pull(local, remote, list(refs), jobs=jobs, progress=update, codec=codec)
+        report = local.pull(remote, list(refs), jobs=jobs, progress=update, codec=codec)
     if as_json:
         emit_json(report.as_dict())
     else:
@@ -131,7 +128,6 @@ def archive(
 
     Bring one back with `cas pull REF --from URL`.
     """
-    from cas.sync.archive import archive as run_archive
     from cas.units import parse_duration
 
     try:
@@ -141,8 +137,8 @@ def archive(
     local = obj.open(create=False)
     remote = obj.open_url(url, config=local.config)
     with _transfer_bar(obj, f"archive {url}") as update:
-        report = run_archive(
-            local, remote, list(refs), jobs=jobs, progress=update, grace=grace_seconds, codec=codec
+        report = local.archive(
+            remote, list(refs), jobs=jobs, progress=update, grace=grace_seconds, codec=codec
         )
     if as_json:
         emit_json(report.as_dict())

@@ -20,12 +20,14 @@ import json
 import os
 import secrets
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from cas.errors import FormatError, InvalidName
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["VALUES_METADATA_KEY", "flatten_state", "write_safetensors", "write_torch"]
 
@@ -70,6 +72,7 @@ def write_torch(obj: object, path: str | os.PathLike[str]) -> None:
     The archive is written through a file object, so its internal name is always ``archive``
     rather than derived from the (random) temporary file name.
     """
+    import torch
 
     def write(temp_path: str) -> None:
         with open(temp_path, "wb") as stream:
@@ -80,6 +83,8 @@ def write_torch(obj: object, path: str | os.PathLike[str]) -> None:
 
 def flatten_state(state: object) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Flatten a nested state into ``(tensors by dotted name, metadata)``; see module docs."""
+    import torch
+
     if not isinstance(state, (Mapping, list, tuple)):
         raise FormatError(f"can only flatten a dict, list or tuple, not {type(state).__name__}")
     tensors: dict[str, torch.Tensor] = {}
@@ -123,6 +128,8 @@ def _children(name: str, node: object) -> list[tuple[str, object]] | None:
 
 def _leaf(name: str, node: object) -> object:
     """The tensor or JSON value a leaf is stored as."""
+    import torch
+
     if isinstance(node, torch.Tensor):
         return node
     if isinstance(node, np.ndarray):
@@ -143,6 +150,8 @@ def _leaf(name: str, node: object) -> object:
 
 
 def _standalone_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch
+
     prepared: dict[str, torch.Tensor] = {}
     storages_seen: set[int] = set()
     for name, tensor in tensors.items():

@@ -23,29 +23,22 @@ not its bytes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import errno
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import stringify_path
 
-from cas.digest import Digest, digest_of_parts
-from cas.errors import IntegrityError, InvalidName, NotFound, RefConflict
-from cas.fs.views import (
-    CASReadFile,
-    ChunkCache,
-    CorruptChunkError,
-    FileView,
-    ViewReader,
-    manifest_views,
-)
+from cas.digest import digest_of_parts
+from cas.errors import InvalidName, NotFound, RefConflict
+from cas.fs.extents import FileRecord, FileView
+from cas.fs.reading import CASReadFile, FileReadCache, ViewReader, read_view
+from cas.fs.tree import CheckpointTree, Snapshot
 from cas.fs.writes import (
     CASWriteFile,
     TextWriteFile,
@@ -53,39 +46,21 @@ from cas.fs.writes import (
     file_location,
     put_record,
     read_only_state,
-    remove,
     rename_within_ref,
 )
-from cas.model.manifest import Manifest, decode_manifest
 from cas.names import parse_ref_name
 from cas.objects.chunkio import WriteStats
 from cas.repo.opening import default_store_url
+from cas.repo.opening import open as open_store
 from cas.repo.repository import Repository
-
-_MANIFEST_CACHE = 32
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """A ref as read at one moment: its manifest and the files it shows."""
-
-    ref: str
-    digest: Digest
-    manifest: Manifest
-    views: dict[str, FileView]
-    dirs: frozenset[str]
-
-
-def _dirs_of(paths: Iterable[str]) -> frozenset[str]:
-    out: set[str] = set()
-    for path in paths:
-        parts = path.split("/")
-        out.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    return frozenset(out)
 
 
 def _join(base: str, name: str) -> str:
     return f"{base}/{name}" if base else name
+
+
+def _is_under(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(root + "/")
 
 
 class _DefaultStore:
@@ -117,23 +92,13 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
     ) -> None:
         super().__init__(store=store, repo=repo)
         if repo is None:
-            import cas
-
-            repo = cas.open(store, **store_options)
+            repo = open_store(store, **store_options)
         self.repo = repo
         self.blocksize = block_size
-        self.ref_cache_ttl = ref_cache_ttl
-        self.clock = clock
-        self.reader = ViewReader(repo, ChunkCache(cache_bytes))
+        self.tree = CheckpointTree(repo, clock, ref_cache_ttl)
+        self.reader = ViewReader(repo.chunk_reader(), FileReadCache(cache_bytes))
         self.write_stats = WriteStats()
         """Chunks written through this filesystem (new and reused), summed over every file."""
-        self._names: dict[str, tuple[float, list[str]]] = {}
-        self._records: dict[str, tuple[float, Digest | None]] = {}
-        self._manifests: OrderedDict[
-            Digest, tuple[Manifest, dict[str, FileView], frozenset[str]]
-        ] = OrderedDict()
-        self._pseudo_dirs: set[str] = set()
-        self._lock = threading.Lock()
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
@@ -147,77 +112,18 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     # -- refs and snapshots ----------------------------------------------------------------------
 
-    def _ref_names(self, first: str) -> list[str]:
-        """Ref names equal to or below the first path segment ``first`` ("" for all)."""
-        cached = self._names.get(first)
-        now = self.clock()
-        if cached is None or now - cached[0] > self.ref_cache_ttl:
-            cached = (now, list(self.repo.ref_names(first)))
-            self._names[first] = cached
-        return cached[1]
-
-    def _target(self, ref: str) -> Digest | None:
-        cached = self._records.get(ref)
-        now = self.clock()
-        if cached is None or now - cached[0] > self.ref_cache_ttl:
-            record = self.repo.find_ref(ref)
-            cached = (now, record.target if record else None)
-            self._records[ref] = cached
-        return cached[1]
-
     def invalidate_cache(self, path: str | None = None) -> None:
         """Forget cached ref names and targets (manifests are immutable and stay cached)."""
-        self._names.clear()
-        self._records.clear()
+        self.tree.invalidate()
         super().invalidate_cache(path)
 
-    def _owner(self, path: str) -> tuple[str | None, str]:
-        """The longest ref that is ``path`` or an ancestor of it, and the rest of the path."""
-        if not path:
-            return None, ""
-        parts = path.split("/")
-        names = set(self._ref_names(parts[0]))
-        for i in range(len(parts), 0, -1):
-            candidate = "/".join(parts[:i])
-            if candidate in names:
-                return candidate, "/".join(parts[i:])
-        return None, path
-
-    def _snapshot(self, ref: str) -> _Snapshot | None:
-        digest = self._target(ref)
-        if digest is None:
-            return None
-        with self._lock:
-            cached = self._manifests.get(digest)
-            if cached is not None:
-                self._manifests.move_to_end(digest)
-        if cached is None:
-            manifest = decode_manifest(self.repo.objects.get_manifest(digest))
-            views = manifest_views(manifest, digest)
-            cached = (manifest, views, _dirs_of(views))
-            with self._lock:
-                self._manifests[digest] = cached
-                while len(self._manifests) > _MANIFEST_CACHE:
-                    self._manifests.popitem(last=False)
-        return _Snapshot(ref, digest, *cached)
-
-    def _file(self, path: str) -> tuple[_Snapshot, str, FileView]:
-        ref, rel = self._owner(path)
-        snapshot = self._snapshot(ref) if ref is not None else None
-        if snapshot is None or rel not in snapshot.views:
-            if snapshot is not None and (rel == "" or rel in snapshot.dirs):
-                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-            if ref is None and self._is_prefix_dir(path):
-                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-            raise FileNotFoundError(errno.ENOENT, "no such file in the store", path)
-        return snapshot, rel, snapshot.views[rel]
-
-    def _is_prefix_dir(self, path: str) -> bool:
-        return any(name.startswith(path + "/") for name in self._ref_names(path.split("/")[0]))
+    def file_view(self, path: str) -> FileView:
+        """The view of the file at ``path`` as the store holds it now (what a reader pins)."""
+        return self.tree.file(self._strip_protocol(path))[2]
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def _file_info(self, path: str, snapshot: _Snapshot, view: FileView) -> dict[str, Any]:
+    def _file_info(self, path: str, snapshot: Snapshot, view: FileView) -> dict[str, Any]:
         return {
             "name": path,
             "size": view.size,
@@ -229,7 +135,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
             "synthesized": view.synthesized,
         }
 
-    def _dir_info(self, path: str, snapshot: _Snapshot | None = None) -> dict[str, Any]:
+    def _dir_info(self, path: str, snapshot: Snapshot | None = None) -> dict[str, Any]:
         info: dict[str, Any] = {"name": path, "size": 0, "type": "directory"}
         if snapshot is not None:
             info.update(
@@ -242,8 +148,8 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         path = self._strip_protocol(path)
         if not path:
             return self._dir_info("")
-        ref, rel = self._owner(path)
-        snapshot = self._snapshot(ref) if ref is not None else None
+        ref, rel = self.tree.owner(path)
+        snapshot = self.tree.snapshot(ref) if ref is not None else None
         if snapshot is not None:
             if rel in snapshot.views:
                 return self._file_info(path, snapshot, snapshot.views[rel])
@@ -251,7 +157,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 return self._dir_info(path, snapshot)
             if rel in snapshot.dirs:
                 return self._dir_info(path)
-        if self._is_prefix_dir(path) or path in self._pseudo_dirs:
+        if self.tree.is_prefix_dir(path) or path in self.tree.pseudo_dirs:
             return self._dir_info(path)
         raise FileNotFoundError(errno.ENOENT, "no such file or directory in the store", path)
 
@@ -264,12 +170,12 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         entries: dict[str, dict[str, Any]] = {}
         prefix = path + "/" if path else ""
         first = path.split("/")[0] if path else ""
-        for name in self._ref_names(first):
+        for name in self.tree.ref_names(first):
             if name.startswith(prefix) and name != path:
                 child = prefix + name[len(prefix) :].split("/")[0]
                 entries[child] = self._dir_info(child)
-        ref, rel = self._owner(path)
-        snapshot = self._snapshot(ref) if ref is not None else None
+        ref, rel = self.tree.owner(path)
+        snapshot = self.tree.snapshot(ref) if ref is not None else None
         if snapshot is not None:
             base = rel + "/" if rel else ""
             for file_path, view in snapshot.views.items():
@@ -281,32 +187,29 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
                     entries.setdefault(full, self._dir_info(full))
                 elif full not in entries:
                     entries[full] = self._file_info(full, snapshot, view)
-        for pseudo in self._pseudo_dirs:
+        for pseudo in self.tree.pseudo_dirs:
             if pseudo.rpartition("/")[0] == path and pseudo != path:
                 entries.setdefault(pseudo, self._dir_info(pseudo))
         out = [entries[k] for k in sorted(entries)]
         return out if detail else [e["name"] for e in out]
 
-    def _read_view(self, view: FileView, start: int, out: memoryview, readahead: int = 0) -> int:
-        try:
-            return self.reader.read_into(view, start, out, readahead)
-        except IntegrityError as e:
-            raise CorruptChunkError(f"{e} (reading through cas://)") from e
-        except NotFound as e:
-            raise CorruptChunkError(f"{e}: the store is missing data this file needs") from e
+    def read_view(self, view: FileView, start: int, out: memoryview, readahead: int = 0) -> int:
+        """Fill ``out`` with the view's bytes from ``start``; a corrupt or missing chunk is a
+        ``CorruptChunkError`` (an OSError, EIO). Returns the bytes read."""
+        return read_view(self.reader, view, start, out, readahead)
 
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
         """The file's bytes ``[start, end)`` (negative values count from the end)."""
-        _, _, view = self._file(self._strip_protocol(path))
+        _, _, view = self.tree.file(self._strip_protocol(path))
         lo = 0 if start is None else (start if start >= 0 else max(0, view.size + start))
         hi = view.size if end is None else (end if end >= 0 else view.size + end)
         hi = min(hi, view.size)
         if lo >= hi:
             return b""
         buffer = bytearray(hi - lo)
-        self._read_view(view, lo, memoryview(buffer))
+        self.read_view(view, lo, memoryview(buffer))
         return bytes(buffer)
 
     def open(self, path: Any, mode: str = "rb", **kwargs: Any) -> Any:
@@ -327,18 +230,36 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
     ) -> AbstractBufferedFile:
         path = self._strip_protocol(path)
         if mode == "rb":
-            snapshot, _, view = self._file(path)
-            return CASReadFile(self, path, view, self._file_info(path, snapshot, view), block_size)
+            snapshot, _, view = self.tree.file(path)
+            return CASReadFile(
+                self,
+                path,
+                view,
+                self._file_info(path, snapshot, view),
+                block_size,
+                reader=self.reader,
+                chunk_size=self.repo.config.chunk_size,
+            )
         if mode in ("wb", "xb"):
             if mode == "xb" and self.exists(path):
                 raise FileExistsError(errno.EEXIST, "file exists", path)
             if self.isdir(path):
                 raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-            ref, _ = file_location(self, path)  # fail now, not at close, if it cannot hold a file
-            owner = self._snapshot(ref)
+            ref, _ = file_location(
+                self.tree, path
+            )  # fail now, not at close, if it cannot hold a file
+            owner = self.tree.snapshot(ref)
             if owner is not None and owner.manifest.kind != "files":
                 raise read_only_state(ref)
-            return CASWriteFile(self, path, mode, block_size or self.blocksize, autocommit)
+            return CASWriteFile(
+                self,
+                path,
+                mode,
+                block_size or self.blocksize,
+                autocommit,
+                tree=self.tree,
+                totals=self.write_stats,
+            )
         raise ValueError(
             f"mode {mode!r} is not supported by cas://: files are read ('rb') or written whole "
             "('wb', 'xb'); a closed file's chunks are immutable, so there is no append"
@@ -355,7 +276,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def ukey(self, path: str) -> str:
         """Changes when the file's bytes may have changed: its chunk digests."""
-        _, _, view = self._file(self._strip_protocol(path))
+        _, _, view = self.tree.file(self._strip_protocol(path))
         return digest_of_parts(
             [e.digest.encode() if e.digest else e.data or b"" for e in view.extents]
         )
@@ -373,11 +294,11 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if self.isdir(path1):
             self.makedirs(path2, exist_ok=True)
             return
-        _, _, view = self._file(path1)
+        _, _, view = self.tree.file(path1)
         if path1 == path2:
             return
         if view.record is not None:
-            put_record(self, path2, view.record)
+            put_record(self.tree, path2, view.record)
             return
         with self.open(path1, "rb") as src, self.open(path2, "wb") as dst:
             while block := src.read(self.blocksize):
@@ -399,10 +320,12 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
                     dst = _join(dst, src.rsplit("/", 1)[-1])
                 if src == dst:
                     return
-                ref, _ = self._owner(src)
-                if self._file(src)[2].record is None:  # a view of a saved state: no file to move
+                ref, _ = self.tree.owner(src)
+                if (
+                    self.tree.file(src)[2].record is None
+                ):  # a view of a saved state: no file to move
                     raise read_only_state(ref or src)
-                if rename_within_ref(self, src, dst):
+                if rename_within_ref(self.tree, src, dst):
                     return
         super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
 
@@ -412,7 +335,47 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
         """Delete files and directories; a ref removed whole is deleted (chunks wait for GC)."""
-        remove(self, path, recursive, maxdepth)
+        self.invalidate_cache()  # decide what to delete from a fresh listing, not a cached one
+        paths = self.expand_path(path, recursive=recursive, maxdepth=maxdepth)
+        files: dict[str, set[str]] = {}
+        dirs: list[str] = []
+        for p in paths:
+            if self.info(p)["type"] == "directory":
+                dirs.append(p)
+                continue
+            ref, rel = self.tree.owner(p)
+            assert ref is not None
+            files.setdefault(ref, set()).add(rel)
+        whole = {
+            d: self.tree.target(d)
+            for d in dirs
+            if recursive and maxdepth is None and self.tree.owner(d) == (d, "")
+        }
+        for ref, rels in files.items():
+            if any(_is_under(ref, w) for w in whole):
+                continue
+
+            def drop(
+                records: dict[str, FileRecord], rels: set[str] = rels
+            ) -> dict[str, FileRecord]:
+                return {k: v for k, v in records.items() if k not in rels}
+
+            edit_files(
+                self.tree, ref, drop, create=False, op="fs-rm", message=" ".join(sorted(rels))
+            )
+        for ref in sorted(whole, reverse=True):
+            with contextlib.suppress(NotFound):  # a ref written meanwhile is a RefConflict
+                self.repo.rm(ref, expected=whole[ref])
+        for d in sorted(dirs, reverse=True):
+            if d in whole:
+                continue
+            if not recursive:
+                self.rmdir(d)
+            elif self.exists(d):
+                self._drop_if_empty(d)
+        pseudo = self.tree.pseudo_dirs
+        pseudo.difference_update({p for p in pseudo if any(_is_under(p, d) for d in dirs)})
+        self.invalidate_cache()
 
     def _drop_if_empty(self, path: str) -> None:
         if not self.ls(path, detail=False):
@@ -425,8 +388,8 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
         if self.ls(path, detail=False):
             raise OSError(errno.ENOTEMPTY, "directory not empty", path)
-        self._pseudo_dirs.discard(path)
-        if self._owner(path) == (path, ""):
+        self.tree.pseudo_dirs.discard(path)
+        if self.tree.owner(path) == (path, ""):
             self.repo.rm(path)
             self.invalidate_cache()
 
@@ -435,16 +398,16 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         path = self._strip_protocol(path)
         if self.exists(path):
             raise FileExistsError(errno.EEXIST, "file exists", path)
-        ref, _ = self._owner(path)
+        ref, _ = self.tree.owner(path)
         if ref is not None:
-            self._pseudo_dirs.update(self._folders_to(ref, path, create_parents))
+            self.tree.pseudo_dirs.update(self._folders_to(ref, path, create_parents))
             return
         try:
             name = parse_ref_name(path)
         except InvalidName as e:
             raise PermissionError(errno.EACCES, f"cannot create a ref here: {e}", path) from e
         try:
-            edit_files(self, name, lambda files: files, create=True, op="fs-mkdir", message="")
+            edit_files(self.tree, name, lambda files: files, create=True, op="fs-mkdir", message="")
         except RefConflict:
             self.invalidate_cache()
             if not self.isdir(path):

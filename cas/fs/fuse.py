@@ -21,8 +21,8 @@ import threading
 from itertools import count
 from typing import Any
 
+from cas.fs.extents import FileView
 from cas.fs.filesystem import CASFileSystem
-from cas.fs.views import FileView
 from cas.repo.repository import Repository
 
 _FUSE_DEVICE = "/dev/fuse"
@@ -114,7 +114,7 @@ class ReadOnlyCAS(_Operations):  # type: ignore[misc]
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC):
             raise self._fail(errno.EROFS)
         try:
-            _, _, view = self.fs._file(self._path(path))
+            view = self.fs.file_view(self._path(path))
         except FileNotFoundError:
             raise self._fail(errno.ENOENT) from None
         except IsADirectoryError:
@@ -133,7 +133,7 @@ class ReadOnlyCAS(_Operations):  # type: ignore[misc]
         length = max(0, min(size, view.size - offset))
         buffer = bytearray(length)
         try:
-            self.fs._read_view(view, offset, memoryview(buffer))
+            self.fs.read_view(view, offset, memoryview(buffer))
         except OSError:
             raise self._fail(errno.EIO) from None
         return bytes(buffer)

@@ -25,11 +25,9 @@ import zlib
 from collections import OrderedDict
 from typing import Any
 
-import torch
-
 from cas.digest import Digest
 from cas.errors import FormatError
-from cas.fs.views import Extent, FileView, chunk_extents
+from cas.fs.extents import Extent, FileView, chunk_extents
 from cas.model.manifest import TensorEntry
 from cas.model.state import decode_state, iter_tensor_paths, torch_dtype
 
@@ -56,6 +54,8 @@ class _Tensor:
         self.dtype = torch_dtype(entry.dtype)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        import torch  # the pickle names torch's own rebuild function, so it needs torch's object
+
         stride = []
         step = 1
         for dim in reversed(self.shape):
@@ -76,6 +76,8 @@ class _Tensor:
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
+            import torch
+
             return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", obj.nbytes)
         return None
 

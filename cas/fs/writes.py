@@ -1,46 +1,33 @@
 """Writing through ``cas://``: stream files into chunks, then edit checkpoints by compare-and-swap.
 
-``ChunkWriter`` feeds the bytes to a ``StreamCutter`` and stores each cut on the repository's
-thread pool while the writer goes on (at most ``max_pending`` chunks in flight), so a file is
-never held whole in memory. Closing a ``CASWriteFile`` hands its ``FileRecord`` to the filesystem,
-which makes it visible by a compare-and-swap on the owning ref (``put_record``). Every change
-to a checkpoint's files (write, rename, remove) goes through ``edit_files``: read the ref, apply
-the change to its file table and store the new manifest, all inside ``Repository.update_ref``,
-which on a lost compare-and-swap starts over from the ref's new state.
+A ``CASWriteFile`` streams its bytes into chunks as they arrive (``Repository.stream_writer``), so
+a file is never held whole in memory. Closing it makes its ``FileRecord`` visible by a
+compare-and-swap on the owning ref (``put_record``). Every change to a checkpoint's files (write,
+rename, remove) goes through ``edit_files``: read the ref, apply the change to its file table and
+store the new manifest, all inside ``Repository.update_ref``, which on a lost compare-and-swap
+starts over from the ref's new state. Paths are resolved by the filesystem's ``CheckpointTree``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fsspec import AbstractFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from cas.codecs import EncodeHints
 from cas.digest import Digest
-from cas.errors import InvalidName, NotFound
-from cas.fs.views import FileRecord, file_records
-from cas.model.manifest import (
-    ChunkRef,
-    FileEntry,
-    FileRegion,
-    Manifest,
-    TensorEntry,
-)
+from cas.errors import InvalidName
+from cas.fs.extents import FileRecord
+from cas.fs.tree import CheckpointTree
+from cas.fs.views import file_records
+from cas.model.manifest import FileEntry, FileRegion, Manifest, TensorEntry
 from cas.names import check_relative_path, parse_ref_name
-from cas.objects.chunking import Cut
-from cas.objects.chunkio import WriteStats, wait_all
-from cas.objects.streamcut import StreamCutter, StreamRegion
+from cas.objects.chunkio import WriteStats
 from cas.refs.store import RefRecord
-
-if TYPE_CHECKING:
-    from cas.fs.filesystem import CASFileSystem
-    from cas.repo.repository import Repository
 
 MAX_REF_RETRIES = 64
 """Compare-and-swap attempts on one ref before a write gives up with RefConflict."""
@@ -92,17 +79,29 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
 
     A writer lease is held from open to commit, so GC spares the chunks stored so far; a lease
     that expired aborts the commit (invariant 5). A ``with`` block that raises discards the file.
+    ``totals`` adds up what every file of the filesystem wrote.
     """
 
     def __init__(
-        self, fs: CASFileSystem, path: str, mode: str, block_size: int, autocommit: bool
+        self,
+        fs: AbstractFileSystem,
+        path: str,
+        mode: str,
+        block_size: int,
+        autocommit: bool,
+        *,
+        tree: CheckpointTree,
+        totals: WriteStats,
     ) -> None:
         super().__init__(
             fs, path, mode=mode, block_size=block_size, autocommit=autocommit, cache_type="none"
         )
+        self.repo = tree.repo
+        self.tree = tree
+        self.totals = totals
         self.stats = WriteStats()
-        self._lease = fs.repo.writer_lease("fs-write")
-        self._writer = ChunkWriter(fs.repo, self.stats)
+        self._lease = self.repo.writer_lease("fs-write")
+        self._writer = self.repo.stream_writer(self.stats)
         self._record: FileRecord | None = None
         self._discarded = False
 
@@ -115,9 +114,9 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         finally:
             view.release()
         if final:
-            self._record = self._writer.finish()
+            self._record = FileRecord(*self._writer.finish())
             for name, value in self.stats.as_dict().items():
-                setattr(self.fs.write_stats, name, getattr(self.fs.write_stats, name) + value)
+                setattr(self.totals, name, getattr(self.totals, name) + value)
             if self.autocommit:
                 self.commit()
         return True
@@ -131,7 +130,7 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         try:
             if self._lease is not None:
                 self._lease.check()
-            put_record(self.fs, self.path, self._record, exclusive=self.mode == "xb")
+            put_record(self.tree, self.path, self._record, exclusive=self.mode == "xb")
         finally:
             self._release()
 
@@ -161,60 +160,9 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         raise io.UnsupportedOperation("cas:// files have no file descriptor")
 
 
-class ChunkWriter:
-    """Feeds a stream to a StreamCutter and stores each cut on the repository's thread pool."""
-
-    def __init__(self, repo: Repository, stats: WriteStats, max_pending: int = 8) -> None:
-        self.repo = repo
-        self.stats = stats
-        self.codec = repo.codec()
-        self.max_pending = max_pending
-        self.cutter = StreamCutter(
-            self._emit, repo.config.chunk_size, repo.config.cdc_avg_size, repo.config.inline_max
-        )
-        self.pending: list[tuple[Future[ChunkRef], StreamRegion | None]] = []
-        self._waited = 0
-
-    def write(self, data: memoryview) -> None:
-        """Take more bytes of the stream."""
-        if len(data):
-            self.cutter.write(data)
-
-    def _emit(self, cut: Cut, data: bytes, region: StreamRegion | None) -> None:
-        hints = EncodeHints(
-            elem_size=region.elem_size if region else 1, level=self.repo.config.compression_level
-        )
-        (future,) = self.repo.io.write_cuts(
-            memoryview(data), [Cut(0, cut.size)], self.codec, hints, self.stats
-        )
-        self.pending.append((future, region))
-        while len(self.pending) - self._waited > self.max_pending:
-            self.pending[self._waited][0].result()  # bound the bytes held in flight
-            self._waited += 1
-
-    def finish(self) -> FileRecord:
-        """End the stream, wait for every chunk, and describe the file for its manifest."""
-        self.cutter.finish()
-        wait_all(f for f, _ in self.pending)
-        chunks = tuple(f.result() for f, _ in self.pending)
-        regions: list[FileRegion] = []
-        tensors: list[TensorEntry] = []
-        complete = {id(t) for t in self.cutter.complete_tensors()}
-        for region in self.cutter.regions:
-            if region.tensor is None or id(region.tensor) not in complete:
-                continue
-            own = tuple(c for c, (_, r) in zip(chunks, self.pending, strict=True) if r is region)
-            t = region.tensor
-            regions.append(FileRegion(t.name, len(tensors), t.offset))
-            tensors.append(TensorEntry("torch", t.dtype, tuple(t.shape), t.nbytes, own))
-        fmt = self.cutter.format
-        entry = FileEntry(self.cutter.size, fmt, chunks, tuple(regions), 0o644)
-        return FileRecord(entry, tuple(tensors))
-
-
-def file_location(fs: CASFileSystem, path: str) -> tuple[str, str]:
+def file_location(tree: CheckpointTree, path: str) -> tuple[str, str]:
     """Where a file at ``path`` goes: the owning ref, or a new ref at its parent directory."""
-    ref, rel = fs._owner(path)
+    ref, rel = tree.owner(path)
     if ref is not None and rel:
         return ref, _file_name(rel, path)
     if ref is not None:
@@ -247,7 +195,7 @@ def _file_name(rel: str, path: str) -> str:
 
 
 def edit_files(
-    fs: CASFileSystem,
+    tree: CheckpointTree,
     ref: str,
     edit: Callable[[dict[str, FileRecord]], dict[str, FileRecord]],
     *,
@@ -257,6 +205,7 @@ def edit_files(
 ) -> Digest:
     """Change a ref's files by compare-and-swap, re-reading and editing again when another
     writer wins; ``edit`` may run more than once and may raise to abort."""
+    repo = tree.repo
 
     def edited(current: RefRecord | None) -> Digest:
         if current is None:
@@ -265,7 +214,7 @@ def edit_files(
             files: dict[str, FileRecord] = {}
             meta: dict[str, Any] = {"source": "cas://"}
         else:
-            manifest = fs.repo.manifest(current.target)
+            manifest = repo.manifest(current.target)
             if manifest.kind != "files":
                 raise read_only_state(ref)
             files, meta = file_records(manifest), manifest.meta
@@ -273,24 +222,24 @@ def edit_files(
             edit(dict(files)),
             meta,
             current.target if current else None,
-            fs.repo.clock(),
-            fs.repo.config.chunk_size,
+            repo.clock(),
+            repo.config.chunk_size,
         )
-        return fs.repo.put_manifest(new_manifest)
+        return repo.put_manifest(new_manifest)
 
     try:
-        record = fs.repo.update_ref(ref, edited, op=op, message=message, attempts=MAX_REF_RETRIES)
+        record = repo.update_ref(ref, edited, op=op, message=message, attempts=MAX_REF_RETRIES)
     finally:
-        fs.invalidate_cache()
+        tree.invalidate()
     assert record is not None
     return record.target
 
 
 def put_record(
-    fs: CASFileSystem, path: str, record: FileRecord, *, exclusive: bool = False
+    tree: CheckpointTree, path: str, record: FileRecord, *, exclusive: bool = False
 ) -> None:
     """Make a file visible: add or replace its entry in the owning ref (the commit point)."""
-    ref, rel = file_location(fs, path)
+    ref, rel = file_location(tree, path)
 
     def add(files: dict[str, FileRecord]) -> dict[str, FileRecord]:
         if exclusive and rel in files:
@@ -299,7 +248,7 @@ def put_record(
         files[rel] = record
         return files
 
-    edit_files(fs, ref, add, create=True, op="fs-write", message=rel)
+    edit_files(tree, ref, add, create=True, op="fs-write", message=rel)
 
 
 def check_file_fits(files: Mapping[str, object], rel: str, path: str) -> None:
@@ -312,14 +261,14 @@ def check_file_fits(files: Mapping[str, object], rel: str, path: str) -> None:
             raise NotADirectoryError(errno.ENOTDIR, "a parent of this path is a file", path)
 
 
-def rename_within_ref(fs: CASFileSystem, src: str, dst: str) -> bool:
+def rename_within_ref(tree: CheckpointTree, src: str, dst: str) -> bool:
     """Rename an ingested file inside its checkpoint by one compare-and-swap; False if ``dst``
     belongs to another checkpoint (the caller then copies the entry and removes the source)."""
-    ref, rel = fs._owner(src)
-    _, _, view = fs._file(src)
-    if ref is None or view.record is None or file_location(fs, dst)[0] != ref:
+    ref, rel = tree.owner(src)
+    _, _, view = tree.file(src)
+    if ref is None or view.record is None or file_location(tree, dst)[0] != ref:
         return False
-    new_rel = file_location(fs, dst)[1]
+    new_rel = file_location(tree, dst)[1]
 
     def rename(files: dict[str, FileRecord]) -> dict[str, FileRecord]:
         if rel not in files:
@@ -327,47 +276,8 @@ def rename_within_ref(fs: CASFileSystem, src: str, dst: str) -> bool:
         files[new_rel] = files.pop(rel)
         return files
 
-    edit_files(fs, ref, rename, create=False, op="fs-mv", message=f"{rel} -> {new_rel}")
+    edit_files(tree, ref, rename, create=False, op="fs-mv", message=f"{rel} -> {new_rel}")
     return True
-
-
-def remove(fs: CASFileSystem, path: Any, recursive: bool, maxdepth: int | None) -> None:
-    """Delete files and directories; a ref removed whole is deleted (chunks wait for GC)."""
-    fs.invalidate_cache()  # decide what to delete from a fresh listing, not a cached one
-    paths = fs.expand_path(path, recursive=recursive, maxdepth=maxdepth)
-    files: dict[str, set[str]] = {}
-    dirs: list[str] = []
-    for p in paths:
-        info = fs.info(p)
-        if info["type"] == "directory":
-            dirs.append(p)
-            continue
-        ref, rel = fs._owner(p)
-        assert ref is not None
-        files.setdefault(ref, set()).add(rel)
-    whole = {
-        d: fs._target(d) for d in dirs if recursive and maxdepth is None and fs._owner(d) == (d, "")
-    }
-    for ref, rels in files.items():
-        if any(_is_under(ref, w) for w in whole):
-            continue
-
-        def drop(records: dict[str, FileRecord], rels: set[str] = rels) -> dict[str, FileRecord]:
-            return {k: v for k, v in records.items() if k not in rels}
-
-        edit_files(fs, ref, drop, create=False, op="fs-rm", message=" ".join(sorted(rels)))
-    for ref in sorted(whole, reverse=True):
-        with contextlib.suppress(NotFound):  # a ref written meanwhile is a RefConflict
-            fs.repo.rm(ref, expected=whole[ref])
-    for d in sorted(dirs, reverse=True):
-        if d in whole:
-            continue
-        if not recursive:
-            fs.rmdir(d)
-        elif fs.exists(d):
-            fs._drop_if_empty(d)
-    fs._pseudo_dirs = {p for p in fs._pseudo_dirs if not any(_is_under(p, d) for d in dirs)}
-    fs.invalidate_cache()
 
 
 class TextWriteFile(io.TextIOWrapper):

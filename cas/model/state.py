@@ -256,3 +256,33 @@ def tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: tor
         raise FormatError(f"refusing numpy dtype {dtype!r} (objects)")
     array = buffer.numpy().view(np_dtype).reshape(shape)
     return array[()] if kind == "numpy_scalar" else array
+
+
+def byte_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised flat uint8 CPU tensor of ``nbytes``, for reads to fill."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def buffer_over(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A flat uint8 CPU tensor over ``data`` without a copy (it keeps ``data`` alive)."""
+    import torch
+
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def writable_view(buffer: torch.Tensor) -> memoryview:
+    """A writable memoryview over a flat uint8 CPU tensor (from ``byte_buffer``)."""
+    return memoryview(buffer.numpy())  # type: ignore[arg-type]
+
+
+def placed(value: Any, map_location: Any) -> Any:
+    """``value`` moved to ``map_location`` if it is a tensor and a location is given."""
+    if map_location is None:
+        return value
+    import torch
+
+    return value.to(map_location) if isinstance(value, torch.Tensor) else value

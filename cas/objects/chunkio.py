@@ -6,13 +6,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
 from cas.model.manifest import ChunkRef
 from cas.objects.chunking import Cut
 from cas.objects.store import ObjectStore, PutResult
+
+T = TypeVar("T")
 
 Progress = Callable[[int], None]
 """Called with a number of bytes just processed (for progress bars)."""
@@ -68,6 +70,18 @@ class ChunkIO:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="cas-chunk")
             return self._pool
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on the pool."""
+        return self.pool.submit(fn, *args)
+
+    def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
+        """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes."""
+        self.objects.read_chunk_into(digest, out)
+
+    def read_chunk_parts(self, digest: Digest, outs: Sequence[memoryview]) -> None:
+        """Scatter the verified chunk bytes over ``outs`` (their sizes sum to the chunk's)."""
+        self.objects.read_chunk_parts(digest, outs)
 
     def write_cuts(
         self,

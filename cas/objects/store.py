@@ -17,15 +17,20 @@ codec. Chunks live under ``chunks/<d[:2]>/<d>``, manifests under ``manifests/<d[
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore
-from cas.blobstore.bulk import read_into
+from cas.blobstore.bulk import DEFAULT_WORKERS, read_into
 from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of, digest_of_parts
 from cas.errors import FormatError, IntegrityError, NotFound
+from cas.objects import inventory
+from cas.objects.keys import ObjectKind, StoredObject, object_key
+from cas.objects.sweep import Sweeper, sweeper_for
 
 OBJECT_MAGIC = b"CASo"
 OBJECT_VERSION = 1
@@ -41,12 +46,12 @@ CREATE_ATTEMPTS = 3
 
 def chunk_key(digest: Digest) -> str:
     """The blob key of a chunk."""
-    return f"chunks/{digest[:2]}/{digest}"
+    return object_key(ObjectKind.CHUNK, digest)
 
 
 def manifest_key(digest: Digest) -> str:
     """The blob key of a manifest."""
-    return f"manifests/{digest[:2]}/{digest}"
+    return object_key(ObjectKind.MANIFEST, digest)
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,22 @@ class PutResult:
     one alike: a writer that reuses a chunk must record its base chain in the manifest (GC reads
     manifests only). When a concurrent writer stored the chunk first, this is that writer's base,
     whatever this call encoded against, and ``new`` is False."""
+
+
+@dataclass(frozen=True)
+class CopiedObject:
+    """What ``ObjectStore.copy`` did with one object."""
+
+    kind: ObjectKind
+    digest: Digest
+    created: bool
+    """False when the destination held the object already: its own encoding stayed."""
+    size: int
+    """Decoded bytes."""
+    stored_bytes: int
+    """Encoded bytes as stored here (what was written when ``created``)."""
+    base: Digest | None
+    """The delta base the copied encoding needs (it must travel too)."""
 
 
 class ObjectStore:
@@ -347,6 +368,119 @@ class ObjectStore:
         if digest_of(decoded) != digest:
             raise IntegrityError(f"manifest {digest} is corrupt: its bytes hash to something else")
         return decoded
+
+    def map_raw_chunk(self, digest: Digest, size: int) -> memoryview | None:
+        """A raw chunk's bytes mapped copy-on-write from its local file, verified; None where
+        the store has no local files or the chunk is not stored raw (read it instead).
+
+        NotFound if the chunk is missing; IntegrityError if its bytes do not hash to ``digest``.
+        """
+        path = self.blobs.local_path(chunk_key(digest))
+        if path is None:
+            return None
+        try:
+            with path.open("rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except FileNotFoundError as e:
+            raise NotFound(f"chunk {digest} is missing from the store") from e
+        if len(mapped) != HEADER_SIZE + size or mapped[5] != 0:
+            mapped.close()
+            return None  # not a raw chunk
+        payload = memoryview(mapped)[HEADER_SIZE:]
+        if digest_of(payload) != digest:
+            raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+        return payload
+
+    # -- the store as a whole: what retention and transfers ask of it ---------------------------
+
+    @property
+    def url(self) -> str:
+        """Where the objects live."""
+        return self.blobs.url
+
+    def sync(self) -> None:
+        """Make every object stored so far durable (before a manifest or ref names them)."""
+        self.blobs.sync()
+
+    def list_objects(self, kind: ObjectKind) -> Iterator[StoredObject]:
+        """Every stored object of ``kind`` with its stored size and mtime (one listing)."""
+        return inventory.list_objects(self.blobs, kind)
+
+    def stat(self, kind: ObjectKind, digest: Digest) -> StoredObject:
+        """Stored size and mtime of one object; NotFound if it is not stored."""
+        return inventory.stat_object(self.blobs, kind, digest)
+
+    def stored_sizes(
+        self, objects: Iterable[tuple[ObjectKind, Digest]]
+    ) -> dict[tuple[ObjectKind, Digest], int]:
+        """Stored bytes of each object (missing ones left out), by ``stat`` or one listing."""
+        return inventory.stored_sizes(self.blobs, objects)
+
+    def has_many(
+        self, kind: ObjectKind, digests: Iterable[Digest], workers: int = DEFAULT_WORKERS
+    ) -> dict[Digest, bool]:
+        """Whether each object is stored, asked ``workers`` at a time."""
+        return inventory.present(self.blobs, kind, digests, workers)
+
+    def missing(self, kind: ObjectKind, digests: Sequence[Digest]) -> tuple[set[Digest], str]:
+        """Which objects are not stored, by existence requests or by listing, whichever costs
+        fewer requests; and which was used (``has`` or ``list``)."""
+        return inventory.missing(self.blobs, kind, digests)
+
+    def freshen(
+        self, kind: ObjectKind, digests: Iterable[Digest], workers: int = DEFAULT_WORKERS
+    ) -> list[Digest]:
+        """Refresh each object's mtime so an age-based GC spares it; return those not stored."""
+        return inventory.freshen(self.blobs, kind, digests, workers)
+
+    def sweeper(self) -> Sweeper:
+        """The safest way this store allows to delete GC's candidates (``cas.objects.sweep``)."""
+        return sweeper_for(self.blobs)
+
+    def verify(self, digest: Digest) -> int:
+        """Re-read and re-hash a chunk; its decoded size. IntegrityError or NotFound if bad."""
+        return len(self.get_chunk(digest))
+
+    def verify_stored(
+        self, kind: ObjectKind, digest: Digest, blob: bytes | bytearray
+    ) -> bytes | memoryview:
+        """The decoded bytes of a stored object ``blob`` (delta bases read from this store),
+        checked against ``digest``; IntegrityError naming this store if they do not match."""
+        where = f"{kind.noun} {digest} in {self.url}"
+        try:
+            envelope = parse_envelope(blob, self.max_object_size)
+            decoded = codec_by_id(envelope.codec_id).decode(
+                envelope.params,
+                memoryview(blob)[envelope.payload_offset :],
+                envelope.decoded_size,
+                self.get_chunk,
+            )
+        except FormatError as e:
+            raise IntegrityError(f"{where} is corrupt: {e}") from e
+        if len(decoded) != envelope.decoded_size or digest_of(decoded) != digest:
+            raise IntegrityError(f"{where} is corrupt: its bytes hash to something else")
+        return decoded
+
+    def copy(self, kind: ObjectKind, digest: Digest, to: ObjectStore) -> CopiedObject:
+        """Copy one object into ``to`` as it is stored here (its codec kept), verified first, so
+        corrupt bytes never travel.
+
+        Create-only: an object ``to`` holds already (perhaps a delta against another base,
+        which a manifest there records) keeps its encoding and is refreshed instead, so an
+        age-based GC there spares it. NotFound if it is not stored here.
+        """
+        try:
+            blob = self.blobs.get(object_key(kind, digest))
+        except NotFound as e:
+            raise NotFound(f"{kind.noun} {digest} is missing from {self.url}") from e
+        decoded = self.verify_stored(kind, digest, blob)
+        envelope = parse_envelope(blob, self.max_object_size)
+        base = codec_by_id(envelope.codec_id).base_of(envelope.params)
+        created = to.blobs.put_if_absent(object_key(kind, digest), blob)
+        if not created:
+            with contextlib.suppress(NotFound):
+                to.blobs.touch(object_key(kind, digest))
+        return CopiedObject(kind, digest, created, len(decoded), len(blob), base)
 
 
 def _gather(parts: Sequence[memoryview], size: int) -> bytearray:

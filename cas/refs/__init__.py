@@ -1,2 +1,2 @@
 """Refs: mutable names moved only through ``RefStore.update``, their history, append logs, writer
-leases and the maintenance service."""
+leases, the maintenance service, and ``Stores``, the bundle the layers above work through."""

@@ -12,7 +12,7 @@ chunk refreshes its mtime) has an mtime at or after ``started``. A writer whose 
 expired can no longer commit, because the writer stops committing ``margin`` seconds *before*
 expiry and GC treats a lease as live until ``margin`` seconds *after* it; ``margin`` therefore
 covers the clock skew between hosts (and the server's clock for S3 mtimes) plus the time of one
-ref compare-and-swap. See docs/retention.md for the whole protocol. The maintenance lock of
+ref compare-and-swap. See docs/gc.md ("Writer leases") for the whole protocol. The maintenance lock of
 ``cas forget`` / ``cas gc`` is the same idea for maintenance runs (``cas.refs.maintenance``).
 """
 

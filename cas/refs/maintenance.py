@@ -5,14 +5,16 @@ a create-only blob with an expiry, so two maintenance runs never interleave and 
 stops blocking once its lock expires (or an operator breaks it with ``cas unlock``). They read
 the writer leases (``cas.refs.leases``) to learn what is in flight, reap the leases of writers
 that died, and take "now" from the store's own clock, because object mtimes come from it.
-``MaintenanceService`` gathers these for one store, with the clock injected, so the retention
-layer and the CLI never touch the blobs that hold them.
+``MaintenanceService`` gathers these for one store, with the clock injected, and keeps the small
+documents one maintenance run leaves for the next (``state/``), so the retention layer and the
+CLI never touch the blobs that hold them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,8 +35,11 @@ MAINTENANCE_LOCK_KEY = "locks/maintenance"
 LOCK_FORMAT = "cas-lock"
 LOCK_DURATION = 3600.0
 """How long a maintenance lock lasts unless refreshed; a dead holder blocks no longer."""
-CLOCK_PROBE_KEY = "state/gc-clock"
+STATE_PREFIX = "state/"
+"""Where small documents of maintenance runs live (the clock probe, the verify sampler)."""
+CLOCK_PROBE_KEY = STATE_PREFIX + "gc-clock"
 """The blob written to read the store's clock (its mtime)."""
+_STATE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -226,6 +231,17 @@ class MaintenanceService:
         self.blobs.delete(MAINTENANCE_LOCK_KEY)
         return existed
 
+    def read_state(self, name: str) -> bytes | None:
+        """The maintenance document ``name`` (``verify-sample.json``), or None if absent."""
+        try:
+            return self.blobs.get(_state_key(name))
+        except NotFound:
+            return None
+
+    def write_state(self, name: str, data: bytes) -> None:
+        """Replace the maintenance document ``name``: state a run leaves for the next one."""
+        self.blobs.put(_state_key(name), data)
+
     def store_time(self) -> float:
         """The current time on the storage's own clock: the mtime of a blob written just now.
 
@@ -239,3 +255,9 @@ class MaintenanceService:
             return self.blobs.stat(CLOCK_PROBE_KEY).mtime
         except CASError:
             return self.clock()
+
+
+def _state_key(name: str) -> str:
+    if not _STATE_NAME_RE.fullmatch(name):
+        raise ValueError(f"bad maintenance state name {name!r}")
+    return STATE_PREFIX + name

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -108,6 +109,16 @@ class RefRecord:
     def depth(self) -> int:
         """How many events the whole history holds."""
         return segments.total(self.history, self.sealed)
+
+
+@dataclass(frozen=True)
+class ScannedRef:
+    """One ref blob as ``RefStore.scan`` found it: its record, or why it cannot be read."""
+
+    key: str
+    """Where the record is stored, for messages about a ref whose name cannot be read."""
+    record: RefRecord | None
+    error: CASError | None = None
 
 
 def ref_key(name: RefName) -> str:
@@ -209,6 +220,11 @@ class RefStore:
         """The last record read or written per ref, reused while the blob's version is the same:
         decoding a record with a long inline history costs more than reading it."""
 
+    @property
+    def url(self) -> str:
+        """Where the refs live."""
+        return self.blobs.url
+
     def get(self, name: str) -> RefRecord:
         """The current record of a ref; NotFound if there is none."""
         ref = parse_ref_name(name)
@@ -245,6 +261,40 @@ class RefStore:
             if name is not None and ref_matches(name, selector):
                 found.append(name)
         yield from sorted(found)
+
+    def records(self, selector: str = "") -> list[RefRecord]:
+        """Records of the refs a prefix, exact name or glob selects, sorted by name; a ref
+        removed since the listing is left out."""
+        found = []
+        for name in self.names(selector):
+            record = self.try_get(name)
+            if record is not None:
+                found.append(record)
+        return found
+
+    def scan(self, workers: int = 16) -> list[ScannedRef]:
+        """Every ref blob in the store, read and decoded ``workers`` at a time.
+
+        Unlike ``names``, nothing is skipped quietly: a blob whose key names no valid ref, or
+        whose record is damaged, is reported with its error, so a caller that must see every
+        ref (GC, which could otherwise delete what a damaged ref protects) can refuse. A ref
+        removed since the listing is left out: it protects nothing any more.
+        """
+        keys = list(self.blobs.list(REFS_PREFIX))
+
+        def read(key: str) -> ScannedRef | None:
+            try:
+                ref = parse_ref_name(unquote(key[len(REFS_PREFIX) :]))
+                data, version = self.blobs.get_versioned(key)
+                return ScannedRef(key, decode_ref(ref, data, version))
+            except NotFound:
+                return None
+            except CASError as e:
+                return ScannedRef(key, None, e)
+
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="cas-refs") as pool:
+            found = [r for r in pool.map(read, keys) if r is not None]
+        return sorted(found, key=lambda r: r.key)
 
     def update(
         self,

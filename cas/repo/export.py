@@ -6,19 +6,16 @@ import hashlib
 import os
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.errors import AlreadyExists, FormatError
 from cas.model.manifest import FileEntry, Manifest
 from cas.names import check_relative_path
-from cas.objects.chunkio import Progress
-
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
+from cas.objects.chunkio import ChunkIO, Progress
 
 
 def export_files(
-    repo: Repository,
+    io: ChunkIO,
     manifest: Manifest,
     dest: Path,
     *,
@@ -26,7 +23,8 @@ def export_files(
     overwrite: bool,
     progress: Progress | None = None,
 ) -> list[Path]:
-    """Write an ingested file or directory back; a single file goes to ``dest`` or ``dest/name``."""
+    """Write an ingested file or directory back, its chunks read verified through ``io``; a
+    single file goes to ``dest`` or ``dest/name``."""
     single = manifest.meta.get("source") == "file" and len(manifest.files) == 1
     if single:
         ((rel, entry),) = manifest.files.items()
@@ -43,7 +41,7 @@ def export_files(
         dest.mkdir(parents=True, exist_ok=True)  # an empty directory comes back too
     written = []
     for target, entry in targets:
-        digest = _write_file(repo, entry, target, progress)
+        digest = _write_file(io, entry, target, progress)
         written.append(target)
         if sha256:
             written.append(write_sha256_sidecar(target, digest))
@@ -74,14 +72,14 @@ def _sidecar_of(target: Path) -> Path:
     return target.with_name(target.name + ".sha256")
 
 
-def _write_file(repo: Repository, entry: FileEntry, target: Path, progress: Progress | None) -> str:
+def _write_file(io: ChunkIO, entry: FileEntry, target: Path, progress: Progress | None) -> str:
     """Stream verified chunks into a temp file beside ``target``, fsync, rename; return sha256."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.cas-tmp"
     hasher = hashlib.sha256()
     try:
         with tmp.open("wb") as f:
-            for data in repo.io.iter_chunks(entry.chunks):
+            for data in io.iter_chunks(entry.chunks):
                 f.write(data)
                 hasher.update(data)
                 if progress is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
@@ -22,13 +22,11 @@ from cas.names import check_relative_path, parse_ref_name
 from cas.objects.chunking import Cut, layout_cuts
 from cas.objects.chunkio import Progress, WriteStats, wait_all
 from cas.objects.encoding import TensorTarget, TensorWriter
-
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
+from cas.repo.core import RepositoryCore
 
 
 def ingest_path(
-    repo: Repository,
+    repo: RepositoryCore,
     path: str | os.PathLike[str],
     ref: str,
     metadata: dict[str, Any] | None,
@@ -93,7 +91,7 @@ def ingest_path(
 
 
 def _write_file(
-    repo: Repository,
+    repo: RepositoryCore,
     path: Path,
     layout: Any,
     codec: Codec,

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_for_use
-from cas.digest import parse_digest
-from cas.errors import FormatError, IntegrityError, NotFound
+from cas.errors import IntegrityError, NotFound
 from cas.objects.encoding import DeltaSettings
+from cas.objects.keys import parse_object_key
 from cas.objects.store import ObjectStore
 from cas.repo.config import StoreConfig, read_config, write_config
 from cas.repo.repository import Repository
-from cas.sync.transfer import verify_object
 
 STORE_ENV = "CAS_STORE"
 
@@ -92,9 +91,8 @@ def verify_cached_object(through: BlobStore, key: str, blob: bytes) -> None:
     A cache calls this on every miss, before it keeps a copy; delta bases are read ``through``
     the cache, so they are verified (and cached) on their way too.
     """
-    try:
-        digest = parse_digest(key.rpartition("/")[2])
-    except FormatError as e:
-        raise IntegrityError(f"{key} in {through.url} is no object: {e}") from e
-    what = "chunk" if key.startswith("chunks/") else "manifest"
-    verify_object(ObjectStore(through, max_object_size=CACHED_OBJECT_MAX), digest, blob, what=what)
+    found = parse_object_key(key)
+    if found is None:
+        raise IntegrityError(f"{key} in {through.url} is no object")
+    kind, digest = found
+    ObjectStore(through, max_object_size=CACHED_OBJECT_MAX).verify_stored(kind, digest, blob)

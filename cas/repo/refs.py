@@ -59,12 +59,7 @@ class RefOperations:
 
     def refs(self, prefix: str = "") -> list[RefRecord]:
         """Refs selected by prefix, exact name or glob (``runs/r1/**``), sorted by name."""
-        records = []
-        for name in self.refs_store.names(prefix):
-            record = self.refs_store.try_get(name)
-            if record is not None:
-                records.append(record)
-        return records
+        return self.refs_store.records(prefix)
 
     def ref_events(self, ref: str | RefRecord) -> Iterator[RefEvent]:
         """The ref's whole history, newest first, read lazily (sealed segments only if reached)."""

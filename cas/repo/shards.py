@@ -29,16 +29,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.digest import Digest
 from cas.errors import CASError, FormatError, NotFound, RefConflict
 from cas.model.manifest import Manifest, TensorEntry
 from cas.model.state import TensorSource, encode_state
 from cas.names import parse_ref_name
-
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
+from cas.repo.core import RepositoryCore
 
 STAGING_PREFIX = "staging/shards"
 LAYOUTS = ("merge", "ranks")
@@ -50,7 +48,7 @@ def staging_ref(run_id: str, rank: int) -> str:
     return str(parse_ref_name(f"{STAGING_PREFIX}/{run_id}/rank{rank:05d}"))
 
 
-def _require_multi_writer(repo: Repository) -> None:
+def _require_multi_writer(repo: RepositoryCore) -> None:
     if not repo.blobs.supports_conditional_writes:
         raise CASError(
             f"{repo.url} cannot arbitrate concurrent writers (no cross-process compare-and-swap); "
@@ -59,7 +57,7 @@ def _require_multi_writer(repo: Repository) -> None:
 
 
 def save_shard(
-    repo: Repository,
+    repo: RepositoryCore,
     state: Any,
     run_id: str,
     rank: int,
@@ -79,7 +77,7 @@ def save_shard(
 
 
 def _store_shard(
-    repo: Repository,
+    repo: RepositoryCore,
     ref: str,
     tree: Any,
     sources: list[TensorSource],
@@ -111,7 +109,7 @@ class _ShardSet:
 
 
 def _read_shards(
-    repo: Repository,
+    repo: RepositoryCore,
     run_id: str,
     world_size: int,
     timeout: float,
@@ -150,7 +148,7 @@ def _read_shards(
 
 
 def commit_shards(
-    repo: Repository,
+    repo: RepositoryCore,
     ref: str,
     run_id: str,
     world_size: int,

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.errors import FormatError
 from cas.refs.log import LOOKBACK, AppendLog, LogRecord, legacy_jsonl_names
-
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
+from cas.refs.store import RefStore
 
 LOG_REF_PREFIX = "logs/evictions/"
 EVICTION_LOG_KIND = "eviction-log"
@@ -38,30 +36,30 @@ def log_ref(name: str) -> str:
     return LOG_REF_PREFIX + check_log_name(name)
 
 
-def _log(repo: Repository, name: str) -> AppendLog:
-    return AppendLog(repo.refs_store, log_ref(name), EVICTION_LOG_KIND, legacy_jsonl=name)
+def _log(refs: RefStore, name: str) -> AppendLog:
+    return AppendLog(refs, log_ref(name), EVICTION_LOG_KIND, legacy_jsonl=name)
 
 
 def _identity(record: LogRecord) -> tuple[Any, Any]:
     return record.get("ref"), record.get("manifest")
 
 
-def append_evictions(repo: Repository, name: str, records: Iterable[Mapping[str, Any]]) -> int:
+def append_evictions(refs: RefStore, name: str, records: Iterable[Mapping[str, Any]]) -> int:
     """Append records to the log ``name``; return how many were new."""
     pending = [dict(r) for r in records]
     if not pending:
         return 0
-    log = _log(repo, name)
+    log = _log(refs, name)
     appended = log.append(pending, op="evict", unique=_identity, lookback=LOOKBACK + len(pending))
     return appended.added
 
 
-def read_evictions(repo: Repository, name: str) -> list[dict[str, Any]]:
+def read_evictions(refs: RefStore, name: str) -> list[dict[str, Any]]:
     """Every record of the log, oldest first, in append order."""
-    return [dict(r) for r in _log(repo, name).records() if isinstance(r, dict)]
+    return [dict(r) for r in _log(refs, name).records() if isinstance(r, dict)]
 
 
-def eviction_logs(repo: Repository) -> list[str]:
+def eviction_logs(refs: RefStore) -> list[str]:
     """Names of the logs in the store."""
-    names = {name[len(LOG_REF_PREFIX) :] for name in repo.refs_store.names(LOG_REF_PREFIX)}
-    return sorted(names | legacy_jsonl_names(repo.refs_store))
+    names = {name[len(LOG_REF_PREFIX) :] for name in refs.names(LOG_REF_PREFIX)}
+    return sorted(names | legacy_jsonl_names(refs))

@@ -16,8 +16,9 @@ nothing is deleted. Execution deletes manifests first, then chunks, so a manifes
 stored never names a chunk this run deleted; reachable objects are never touched, so killing GC
 at any point leaves every kept ref loadable.
 
-A writer may reuse (touch) a candidate after it was listed; ``cas.retention.sweep`` re-checks every object
-at the moment it deletes it (exactly on local stores, within one round trip elsewhere).
+A writer may reuse (touch) a candidate after it was listed; the object store's sweeper
+(``cas.objects.sweep``) re-checks every object at the moment it deletes it (exactly on local
+stores, within one round trip elsewhere).
 """
 
 from __future__ import annotations
@@ -25,22 +26,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from typing import Any
 
 from cas.digest import Digest
 from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import decode_manifest
-from cas.names import parse_ref_name
-from cas.objects.store import chunk_key, manifest_key
+from cas.objects.keys import ObjectKind
 from cas.refs.leases import LeaseRecord
-from cas.refs.store import REFS_PREFIX, RefRecord, decode_ref
-from cas.retention.space import CHUNK_KEY_RE, MANIFEST_KEY_RE
-from cas.retention.sweep import Sweeper, sweeper_for
+from cas.refs.store import RefRecord
+from cas.refs.stores import Stores
 from cas.units import format_duration, format_size, parse_duration
-
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
 
 GC_SECTION = "gc"
 """The ``StoreConfig.extra`` section holding ``GCSettings``."""
@@ -115,7 +110,7 @@ class GCPlan:
     tmp_files: tuple[str, ...]
     tmp_bytes: int
     expired_leases: tuple[LeaseRecord, ...]
-    repo: Repository = field(repr=False, compare=False)
+    stores: Stores = field(repr=False, compare=False)
 
     @property
     def freed_bytes(self) -> int:
@@ -162,27 +157,28 @@ class GCPlan:
         cutoff (a writer reused it meanwhile) is spared.
         """
         started = time.monotonic()
-        with self.repo.maintenance.lock("gc", enabled=lock) as held:
-            sweeper = sweeper_for(self.repo.blobs)
+        maintenance = self.stores.maintenance
+        with maintenance.lock("gc", enabled=lock) as held:
+            sweeper = self.stores.objects.sweeper()
             restored = sweeper.recover()
             tally = _Tally()
-            for keys in (
-                (manifest_key(Digest(d)) for d in self.manifests),
-                (chunk_key(Digest(d)) for d in self.chunks),
+            for candidates in (
+                ((ObjectKind.MANIFEST, Digest(d)) for d in self.manifests),
+                ((ObjectKind.CHUNK, Digest(d)) for d in self.chunks),
             ):
-                for key, outcome, size in sweeper.remove_many(keys, self.cutoff):
-                    tally.add(key, outcome, size)
+                for outcome in sweeper.remove_many(candidates, self.cutoff):
+                    tally.add(outcome.kind, outcome.status, outcome.size)
                     if held is not None and tally.seen % 20000 == 0:
                         held.refresh()
             tmp_files, tmp_bytes = sweeper.remove_tmp(self.tmp_files, self.cutoff)
             reaped = 0
             for lease in self.expired_leases:
-                reaped += self.repo.maintenance.reap(lease)
+                reaped += maintenance.reap(lease)
         return GCResult(
-            deleted_chunks=tally.counts["chunks/"],
-            deleted_chunk_bytes=tally.bytes["chunks/"],
-            deleted_manifests=tally.counts["manifests/"],
-            deleted_manifest_bytes=tally.bytes["manifests/"],
+            deleted_chunks=tally.counts[ObjectKind.CHUNK],
+            deleted_chunk_bytes=tally.bytes[ObjectKind.CHUNK],
+            deleted_manifests=tally.counts[ObjectKind.MANIFEST],
+            deleted_manifest_bytes=tally.bytes[ObjectKind.MANIFEST],
             spared=tally.spared,
             already_gone=tally.gone,
             deleted_tmp_files=tmp_files,
@@ -248,14 +244,13 @@ class GCResult:
 
 class _Tally:
     def __init__(self) -> None:
-        self.counts = {"chunks/": 0, "manifests/": 0}
-        self.bytes = {"chunks/": 0, "manifests/": 0}
+        self.counts = dict.fromkeys(ObjectKind, 0)
+        self.bytes = dict.fromkeys(ObjectKind, 0)
         self.spared = self.gone = self.seen = 0
 
-    def add(self, key: str, outcome: str, size: int) -> None:
+    def add(self, kind: ObjectKind, outcome: str, size: int) -> None:
         self.seen += 1
         if outcome == "deleted":
-            kind = "chunks/" if key.startswith("chunks/") else "manifests/"
             self.counts[kind] += 1
             self.bytes[kind] += size
         elif outcome == "spared":
@@ -265,8 +260,8 @@ class _Tally:
 
 
 def plan_gc(
-    repo: Repository,
-    settings: GCSettings | None = None,
+    stores: Stores,
+    settings: GCSettings,
     *,
     clock: Callable[[], float] | None = None,
     lock: bool = True,
@@ -274,19 +269,19 @@ def plan_gc(
     """Mark and list; return what a sweep would delete. Deletes nothing; raises if a ref or root
     manifest cannot be read. ``clock`` overrides the store's clock (it must agree with the mtimes).
     """
-    settings = settings or GCSettings.from_config(repo.config.extra)
-    margin = repo.leases.settings.margin
-    with repo.maintenance.lock("gc", enabled=lock):
-        sweeper = sweeper_for(repo.blobs)
+    maintenance = stores.maintenance
+    margin = maintenance.settings.margin
+    with maintenance.lock("gc", enabled=lock):
+        sweeper = stores.objects.sweeper()
         sweeper.recover()
-        now = clock() if clock is not None else repo.maintenance.store_time()
-        leases = repo.maintenance.leases()
+        now = clock() if clock is not None else maintenance.store_time()
+        leases = maintenance.leases()
         live = tuple(lease for lease in leases if lease.live(now, margin))
         expired = tuple(lease for lease in leases if not lease.live(now, margin))
         cutoff = now - settings.grace
         if live:
             cutoff = min(cutoff, min(lease.started for lease in live) - margin)
-        records = _read_refs(repo)
+        records = _read_refs(stores)
         roots: dict[str, str] = {}
         for record in records:
             roots.setdefault(record.target, f"ref {record.name!r}")
@@ -296,7 +291,7 @@ def plan_gc(
             # An entry's age counts from when the ref moved on from it (git's reflog does the
             # same): a target overwritten a minute ago is kept however long it was current.
             try:
-                for back, event in repo.refs_store.superseded_since(
+                for back, event in stores.refs.superseded_since(
                     record, now, now - settings.reflog_window
                 ):
                     roots.setdefault(event.target, f"ref {record.name}~{back}")
@@ -306,19 +301,18 @@ def plan_gc(
                 segments.add(sealed.digest)
                 roots.setdefault(sealed.digest, f"ref {record.name!r} (sealed history)")
         manifest_infos = {
-            digest: (size, mtime)
-            for digest, size, mtime in sweeper.scan("manifests/", MANIFEST_KEY_RE)
+            m.digest: (m.size, m.mtime) for m in stores.objects.list_objects(ObjectKind.MANIFEST)
         }
         young = {
             d for d, (_, mtime) in manifest_infos.items() if mtime >= cutoff and d not in roots
         }
         for digest in young:
             roots[digest] = "a recently written manifest"
-        marked, found = _mark(repo, roots, current)
+        marked, found = _mark(stores, roots, current)
         deleted_manifests = sorted(
             d for d, (_, mtime) in manifest_infos.items() if d not in roots and mtime < cutoff
         )
-        chunk_scan = _scan_chunks(sweeper, marked, cutoff)
+        chunk_scan = _scan_chunks(stores, marked, cutoff)
         tmp = sweeper.stale_tmp(cutoff)
     return GCPlan(
         now=now,
@@ -344,7 +338,7 @@ def plan_gc(
         tmp_files=tuple(name for name, _ in tmp),
         tmp_bytes=sum(size for _, size in tmp),
         expired_leases=expired,
-        repo=repo,
+        stores=stores,
     )
 
 
@@ -352,29 +346,24 @@ def _refused(error: CASError, context: str) -> CASError:
     return type(error)(f"gc refused, nothing deleted: {context}: {error}")
 
 
-def _read_refs(repo: Repository) -> list[RefRecord]:
+def _read_refs(stores: Stores) -> list[RefRecord]:
     """Every ref, strictly: a ref GC cannot read could be protecting anything."""
-    keys = list(repo.blobs.list(REFS_PREFIX))
-
-    def read(key: str) -> RefRecord | None:
-        try:
-            name = parse_ref_name(unquote(key[len(REFS_PREFIX) :]))
-            data, version = repo.blobs.get_versioned(key)
-            return decode_ref(name, data, version)
-        except NotFound:
-            return None  # removed since listing: it protects nothing any more
-        except CASError as e:
-            raise _refused(e, f"ref blob {key!r} cannot be read") from e
-
-    return [r for r in repo.io.pool.map(read, keys) if r is not None]
+    records = []
+    for scanned in stores.refs.scan():
+        if scanned.error is not None:
+            error = scanned.error
+            raise _refused(error, f"ref blob {scanned.key!r} cannot be read") from error
+        assert scanned.record is not None
+        records.append(scanned.record)
+    return records
 
 
-def _mark(repo: Repository, roots: dict[str, str], current: set[str]) -> tuple[set[str], int]:
+def _mark(stores: Stores, roots: dict[str, str], current: set[str]) -> tuple[set[str], int]:
     """Chunks named by the root manifests; a missing current target or a corrupt root refuses."""
 
     def read(digest: str) -> frozenset[str] | None:
         try:
-            manifest = decode_manifest(repo.objects.get_manifest(Digest(digest)))
+            manifest = decode_manifest(stores.objects.get_manifest(Digest(digest)))
         except NotFound as e:
             if digest in current:
                 raise _refused(e, f"{roots[digest]} names a missing manifest") from e
@@ -385,7 +374,7 @@ def _mark(repo: Repository, roots: dict[str, str], current: set[str]) -> tuple[s
 
     marked: set[str] = set()
     found = 0
-    for chunks in repo.io.pool.map(read, list(roots)):
+    for chunks in stores.pool.map(read, list(roots)):
         if chunks is not None:
             found += 1
             marked |= chunks
@@ -403,19 +392,19 @@ class _ChunkScan:
     candidate_bytes: int = 0
 
 
-def _scan_chunks(sweeper: Sweeper, marked: set[str], cutoff: float) -> _ChunkScan:
+def _scan_chunks(stores: Stores, marked: set[str], cutoff: float) -> _ChunkScan:
     scan = _ChunkScan()
-    for digest, size, mtime in sweeper.scan("chunks/", CHUNK_KEY_RE):
+    for chunk in stores.objects.list_objects(ObjectKind.CHUNK):
         scan.stored += 1
-        scan.stored_bytes += size
-        if digest in marked:
+        scan.stored_bytes += chunk.size
+        if chunk.digest in marked:
             scan.reachable_found += 1
-        elif mtime >= cutoff:
+        elif chunk.mtime >= cutoff:
             scan.spared += 1
-            scan.spared_bytes += size
+            scan.spared_bytes += chunk.size
         else:
-            scan.candidates.append(digest)
-            scan.candidate_bytes += size
+            scan.candidates.append(chunk.digest)
+            scan.candidate_bytes += chunk.size
     return scan
 
 

@@ -1,42 +1,32 @@
 """Planning retention: a policy's rules applied to every ref, as a ForgetPlan, and executing it.
 
 ``plan_forget`` reads every ref's manifest, groups the refs each rule selects, marks them
-protected / kept / dropped as ``cas.retention.policy`` describes, then enforces the size budget with
-reference counts over the kept refs, so each dropped ref is charged only the bytes no kept ref
-shares. A plan changes nothing until ``execute(repo)``. Execution takes the maintenance lock, skips any
-ref that moved since planning (it is compare-and-swap: a plan made on stale state never removes a
-newer checkpoint), appends eviction-log records, then removes the refs. Chunks are only freed
-by ``cas gc`` afterwards, once the grace period and reflog window allow.
+protected / kept / dropped as ``cas.retention.policy`` describes, then enforces the size budget
+with reference counts over the kept refs (``cas.retention.space.Accounting``), so each dropped
+ref is charged only the bytes no kept ref shares. A plan changes nothing until ``execute()``.
+Execution takes the maintenance lock, skips any ref that moved since planning (it is
+compare-and-swap: a plan made on stale state never removes a newer checkpoint), appends
+eviction-log records, then removes the refs. Chunks are only freed by ``cas gc`` afterwards,
+once the grace period and reflog window allow.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import time
-import zoneinfo
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.digest import Digest
 from cas.errors import NotFound, RefConflict
 from cas.names import ref_matches
 from cas.refs.store import RefRecord
+from cas.refs.stores import Stores
 from cas.retention.evictions import append_evictions
-from cas.retention.space import RefContent, object_sizes, read_contents
+from cas.retention.policy import PERIODS, RetentionPolicy, Rule, zone_of
+from cas.retention.space import Accounting, RefContent, read_contents
 from cas.units import format_duration, format_size
-
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
-    from cas.retention.policy import RetentionPolicy, Rule
-
-
-PERIODS: tuple[tuple[str, str], ...] = (
-    ("keep_hourly", "hourly"),
-    ("keep_daily", "daily"),
-    ("keep_weekly", "weekly"),
-    ("keep_monthly", "monthly"),
-)
 
 
 @dataclass(frozen=True)
@@ -80,6 +70,7 @@ class ForgetPlan:
     warnings: tuple[str, ...]
     evictions: tuple[tuple[str, dict[str, Any]], ...]
     """``(log name, record)`` appended to eviction logs before the refs go."""
+    stores: Stores = field(repr=False, compare=False)
 
     @property
     def dropped(self) -> tuple[RefDecision, ...]:
@@ -103,13 +94,14 @@ class ForgetPlan:
                 return d
         raise NotFound(f"the plan has no ref {ref!r}")
 
-    def execute(self, repo: Repository, *, lock: bool = True) -> ForgetResult:
+    def execute(self, *, lock: bool = True) -> ForgetResult:
         """Log evictions, then remove the dropped refs (each only if it still names its manifest)."""
-        with repo.maintenance.lock("forget", enabled=lock):
+        refs = self.stores.refs
+        with self.stores.maintenance.lock("forget", enabled=lock):
             skipped: list[tuple[str, str]] = []
             still: list[RefDecision] = []
             for d in self.dropped:
-                record = repo.refs_store.try_get(d.ref)
+                record = refs.try_get(d.ref)
                 if record is None:
                     skipped.append((d.ref, "already gone"))
                 elif record.target != d.manifest or _set_since(record, d.changed):
@@ -121,11 +113,11 @@ class ForgetPlan:
             for log, record_doc in self.evictions:
                 if record_doc.get("ref") in names:
                     per_log[log].append(record_doc)
-            logged = sum(append_evictions(repo, log, docs) for log, docs in per_log.items())
+            logged = sum(append_evictions(refs, log, docs) for log, docs in per_log.items())
             removed = []
             for d in still:
                 try:
-                    repo.refs_store.delete(d.ref, expected=d.manifest, changed_at=d.changed)
+                    refs.delete(d.ref, expected=d.manifest, changed_at=d.changed)
                     removed.append(d.ref)
                 except RefConflict:
                     skipped.append((d.ref, "moved since the plan"))
@@ -188,10 +180,11 @@ def _when(ts: float) -> str:
 
 
 def _build_plan(
+    stores: Stores,
     policy: RetentionPolicy,
     now: float,
     entries: list[_Entry],
-    accounting: _Accounting,
+    accounting: Accounting,
     warnings: list[str],
 ) -> ForgetPlan:
     """Freeze the planner's working state into a ForgetPlan."""
@@ -213,7 +206,7 @@ def _build_plan(
                 keep=keep,
                 protected=bool(entry.protected),
                 reasons=tuple(reasons),
-                bytes=accounting.exclusive(entry) if keep else entry.frees,
+                bytes=accounting.exclusive(entry.content) if keep else entry.frees,
                 changed=history[-1].time if (history := entry.content.record.history) else None,
             )
         )
@@ -241,18 +234,8 @@ def _build_plan(
         budget=policy.max_total_bytes,
         warnings=tuple(warnings),
         evictions=tuple(evictions),
+        stores=stores,
     )
-
-
-def zone_of(name: str) -> dt.tzinfo | None:
-    if name == "UTC":
-        return dt.timezone.utc
-    if name == "local":
-        return None
-    try:
-        return zoneinfo.ZoneInfo(name)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError) as e:
-        raise ValueError(f"unknown timezone {name!r}") from e
 
 
 @dataclass
@@ -271,13 +254,11 @@ class _Entry:
         return self.content.name
 
 
-def plan_forget(
-    repo: Repository, policy: RetentionPolicy, *, now: float | None = None
-) -> ForgetPlan:
+def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = None) -> ForgetPlan:
     """Decide, for every ref, keep or drop and why; sizes say what dropping frees."""
-    now = repo.clock() if now is None else now
+    now = stores.clock() if now is None else now
     zone = zone_of(policy.timezone)
-    contents = read_contents(repo, repo.refs())
+    contents = read_contents(stores, stores.refs.records())
     entries = [_classify(policy, c) for c in contents]
     groups: dict[tuple[int, str], list[_Entry]] = defaultdict(list)
     for entry in entries:
@@ -293,13 +274,13 @@ def plan_forget(
             if not entry.protected and not entry.kept:
                 entry.dropped.append("not kept by " + ", ".join(rule.keep_limits()))
         warnings.extend(_cap(rule, group, members))
-    sizes = object_sizes(repo, {o for c in contents for o in c.objects})
-    accounting = _Accounting(sizes, entries)
+    sizes = stores.objects.stored_sizes({o for c in contents for o in c.objects})
+    accounting = Accounting(sizes, contents)
     for entry in sorted((e for e in entries if e.dropped), key=lambda e: (e.time, e.name)):
-        entry.frees = accounting.drop(entry)
+        entry.frees = accounting.drop(entry.content)
     if policy.max_total_bytes and accounting.total > policy.max_total_bytes:
         warnings.extend(_enforce_budget(policy, entries, accounting))
-    return _build_plan(policy, now, entries, accounting, warnings)
+    return _build_plan(stores, policy, now, entries, accounting, warnings)
 
 
 def _classify(policy: RetentionPolicy, content: RefContent) -> _Entry:
@@ -408,31 +389,8 @@ def _cap(rule: Rule, group: str, members: list[_Entry]) -> list[str]:
     return []
 
 
-class _Accounting:
-    """Reference counts of objects over the kept refs, and the bytes they add up to."""
-
-    def __init__(self, sizes: dict[str, int], entries: list[_Entry]) -> None:
-        self.sizes = sizes
-        self.counts: Counter[str] = Counter()
-        for entry in entries:
-            self.counts.update(entry.content.objects)
-        self.before = self.total = sum(sizes.get(o, 0) for o in self.counts)
-
-    def drop(self, entry: _Entry) -> int:
-        freed = 0
-        for obj in entry.content.objects:
-            self.counts[obj] -= 1
-            if self.counts[obj] == 0:
-                freed += self.sizes.get(obj, 0)
-        self.total -= freed
-        return freed
-
-    def exclusive(self, entry: _Entry) -> int:
-        return sum(self.sizes.get(o, 0) for o in entry.content.objects if self.counts[o] == 1)
-
-
 def _enforce_budget(
-    policy: RetentionPolicy, entries: list[_Entry], accounting: _Accounting
+    policy: RetentionPolicy, entries: list[_Entry], accounting: Accounting
 ) -> list[str]:
     budget = policy.max_total_bytes
     candidates = [e for e in entries if e.rule is not None and not e.dropped and not e.protected]
@@ -441,7 +399,7 @@ def _enforce_budget(
         if accounting.total <= budget:
             break
         entry.dropped.append(f"over budget {format_size(budget)} (oldest unprotected)")
-        entry.frees = accounting.drop(entry)
+        entry.frees = accounting.drop(entry.content)
     if accounting.total > budget:
         return [
             f"still {format_size(accounting.total - budget)} over the {format_size(budget)} "

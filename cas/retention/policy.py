@@ -23,29 +23,23 @@ Bytes are stored bytes of chunks and manifests; a ref only frees what no kept re
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import re
+import zoneinfo
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.errors import FormatError
-from cas.repo.config import write_config
-from cas.retention.plan import PERIODS, ForgetPlan, ForgetResult, RefDecision, plan_forget, zone_of
 from cas.units import format_duration, format_size, parse_duration, parse_size
 
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
-
-__all__ = [
-    "Best",
-    "ForgetPlan",
-    "ForgetResult",
-    "RefDecision",
-    "RetentionPolicy",
-    "Rule",
-    "plan_forget",
-]
-
+PERIODS: tuple[tuple[str, str], ...] = (
+    ("keep_hourly", "hourly"),
+    ("keep_daily", "daily"),
+    ("keep_weekly", "weekly"),
+    ("keep_monthly", "monthly"),
+)
+"""The calendar keep-* limits, and the word for their buckets."""
 RETENTION_SECTION = "retention"
 """The ``StoreConfig.extra`` section holding the stored policy."""
 _DURATION_FIELDS = ("keep_within", "protect_within", "min_age")
@@ -211,7 +205,8 @@ class Rule:
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """Rules plus store-wide settings; ``plan(repo)`` says what to remove, ``apply`` does it."""
+    """Rules plus store-wide settings. ``Repository.plan_forget(policy)`` says what it would
+    remove (``cas.retention.plan``), ``Repository.forget(policy)`` removes it."""
 
     rules: tuple[Rule, ...] = ()
     protect: tuple[str, ...] = ()
@@ -263,19 +258,6 @@ class RetentionPolicy:
         doc = extra.get(RETENTION_SECTION)
         return None if not doc else cls.from_dict(doc)
 
-    def store(self, repo: Repository) -> None:
-        """Save this policy in the store's config, so a plain ``cas forget`` applies it."""
-        repo.config = repo.config.with_extra(RETENTION_SECTION, self.to_dict())
-        write_config(repo.blobs, repo.config)
-
-    def plan(self, repo: Repository, *, now: float | None = None) -> ForgetPlan:
-        """What applying the policy now would remove (nothing is changed)."""
-        return plan_forget(repo, self, now=now)
-
-    def apply(self, repo: Repository, *, now: float | None = None) -> ForgetResult:
-        """Plan and execute (the hook ``CheckpointManager`` calls after each save)."""
-        return self.plan(repo, now=now).execute(repo)
-
     def describe(self) -> list[str]:
         """Human-readable lines."""
         lines = []
@@ -310,3 +292,15 @@ def rule_from_options(select: str, **options: Any) -> Rule:
 def policy_with(policy: RetentionPolicy, **changes: Any) -> RetentionPolicy:
     """A copy with store-wide settings changed (None leaves one as it is)."""
     return replace(policy, **{k: v for k, v in changes.items() if v is not None})
+
+
+def zone_of(name: str) -> dt.tzinfo | None:
+    """The time zone calendar buckets use: ``UTC``, ``local`` (None) or an IANA name."""
+    if name == "UTC":
+        return dt.timezone.utc
+    if name == "local":
+        return None
+    try:
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError) as e:
+        raise ValueError(f"unknown timezone {name!r}") from e

@@ -1,44 +1,35 @@
-"""Space accounting: logical, stored, exclusive and shared bytes of refs, and store-wide statistics.
+"""Space accounting, written once: logical, stored, exclusive and shared bytes of checkpoints.
 
-Everything is computed from refs and manifests (which chunks each names, and their decoded sizes)
-plus the stored size of each object (one listing, or one ``stat`` per object for small sets). An
-object is a chunk, keyed by its digest, or a manifest blob, keyed ``m/<digest>``. ``exclusive``
-bytes of a ref are those of objects no other ref names: what removing the ref (then ``cas gc``)
-frees. Ref history is not counted here; ``cas gc`` keeps recent history alive for a while.
+Logical bytes are what a reader gets back; stored bytes are the sizes of objects as the store
+reports them (headers included), each object counted once however many checkpoints name it. An
+object is a chunk or a manifest, identified by kind and digest. Everything is computed from refs
+and manifests (which objects each names) plus the stored size of each object (one listing, or one
+``stat`` per object for small sets), never from chunk payloads.
+
+``Accounting`` holds reference counts of objects over a set of refs: the stored bytes they add up
+to, what dropping one ref frees (objects no other counted ref names) and each ref's exclusive
+bytes. ``cas du`` (``disk_usage``), the retention planner's size budget (``cas.retention.plan``)
+and ``cas show`` (``manifest_usage``) all count with it. Ref history is not counted here;
+``cas gc`` keeps recent history alive for a while.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.digest import Digest
-from cas.errors import CASError, NotFound
+from cas.errors import CASError
 from cas.model.manifest import Manifest, decode_manifest
 from cas.names import ref_matches
-from cas.objects.store import chunk_key, manifest_key
+from cas.objects.keys import ObjectKind
 from cas.refs.store import RefRecord
+from cas.refs.stores import Stores
 
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
-
-STAT_LIMIT = 2000
-"""Up to this many objects are sized with one ``stat`` each; beyond it one listing is cheaper."""
-CHUNK_KEY_RE = re.compile(r"chunks/([0-9a-f]{2})/(\1[0-9a-f]{62})")
-MANIFEST_KEY_RE = re.compile(r"manifests/([0-9a-f]{2})/(\1[0-9a-f]{62})")
-
-
-def manifest_object(digest: Digest) -> str:
-    """The object id of a manifest blob (chunks use their bare digest)."""
-    return "m/" + digest
-
-
-def object_key(obj: str) -> str:
-    """The blob key of an object id."""
-    return manifest_key(Digest(obj[2:])) if obj.startswith("m/") else chunk_key(Digest(obj))
+ObjectId = tuple[ObjectKind, Digest]
+"""A stored object: a chunk or a manifest, by digest."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +41,8 @@ class RefContent:
     created_at: float
     meta: dict[str, Any]
     logical_bytes: int
-    objects: frozenset[str]
-    chunk_sizes: dict[str, int]
+    objects: frozenset[ObjectId]
+    chunk_sizes: dict[Digest, int]
     """Decoded size of each chunk the ref names."""
 
     @property
@@ -65,32 +56,33 @@ class RefContent:
         return self.record.target
 
 
-def read_manifest(repo: Repository, digest: Digest, context: str) -> Manifest:
+def read_manifest(stores: Stores, digest: Digest, context: str) -> Manifest:
     """Decode a manifest, turning failures into errors that say which ref needed it."""
     try:
-        return decode_manifest(repo.objects.get_manifest(digest))
+        return decode_manifest(stores.objects.get_manifest(digest))
     except CASError as e:
         raise type(e)(f"{context}: manifest {digest[:16]}: {e}") from e
 
 
-def read_contents(repo: Repository, records: Sequence[RefRecord]) -> list[RefContent]:
+def read_contents(stores: Stores, records: Sequence[RefRecord]) -> list[RefContent]:
     """The content of each ref (each distinct manifest is read once, in parallel)."""
     targets = sorted({r.target for r in records})
     owner = {r.target: r.name for r in reversed(records)}
     manifests = dict(
         zip(
             targets,
-            repo.io.pool.map(lambda d: read_manifest(repo, d, f"ref {owner[d]!r}"), targets),
+            stores.pool.map(lambda d: read_manifest(stores, d, f"ref {owner[d]!r}"), targets),
             strict=True,
         )
     )
-    summaries: dict[Digest, tuple[frozenset[str], dict[str, int]]] = {}
+    summaries: dict[Digest, tuple[frozenset[ObjectId], dict[Digest, int]]] = {}
     out = []
     for record in records:
         manifest = manifests[record.target]
         if record.target not in summaries:
-            decoded: dict[str, int] = {ref.digest: ref.size for ref in manifest.chunk_refs()}
-            named: set[str] = {manifest_object(record.target), *manifest.chunk_digests()}
+            decoded = {ref.digest: ref.size for ref in manifest.chunk_refs()}
+            named: set[ObjectId] = {(ObjectKind.MANIFEST, record.target)}
+            named.update((ObjectKind.CHUNK, d) for d in manifest.chunk_digests())
             summaries[record.target] = (frozenset(named), decoded)
         objects, sizes = summaries[record.target]
         out.append(
@@ -107,29 +99,37 @@ def read_contents(repo: Repository, records: Sequence[RefRecord]) -> list[RefCon
     return out
 
 
-def object_sizes(repo: Repository, objects: Iterable[str]) -> dict[str, int]:
-    """Stored bytes of each object; a missing object is left out."""
-    wanted = set(objects)
-    if len(wanted) <= STAT_LIMIT:
+class Accounting:
+    """Reference counts of objects over a set of refs, and the stored bytes they add up to.
 
-        def size_of(obj: str) -> int | None:
-            try:
-                return repo.blobs.stat(object_key(obj)).size
-            except NotFound:
-                return None
+    ``sizes`` are stored bytes per object (an object missing from it counts 0). ``drop`` removes
+    one ref from the count and returns what that frees: the objects no remaining ref names.
+    """
 
-        found = zip(wanted, repo.io.pool.map(size_of, wanted), strict=True)
-        return {obj: size for obj, size in found if size is not None}
-    sizes: dict[str, int] = {}
-    for prefix, pattern, tag in (
-        ("chunks/", CHUNK_KEY_RE, ""),
-        ("manifests/", MANIFEST_KEY_RE, "m/"),
-    ):
-        for info in repo.blobs.list_info(prefix):
-            match = pattern.fullmatch(info.key)
-            if match is not None and tag + match.group(2) in wanted:
-                sizes[tag + match.group(2)] = info.size
-    return sizes
+    def __init__(self, sizes: dict[ObjectId, int], contents: Iterable[RefContent]) -> None:
+        self.sizes = sizes
+        self.counts: Counter[ObjectId] = Counter()
+        for content in contents:
+            self.counts.update(content.objects)
+        self.before = self.total = self.bytes_of(self.counts)
+
+    def bytes_of(self, objects: Iterable[ObjectId]) -> int:
+        """Stored bytes of the objects (each counted once)."""
+        return sum(self.sizes.get(o, 0) for o in set(objects))
+
+    def exclusive(self, content: RefContent) -> int:
+        """Bytes of the ref's objects no other counted ref names (freed if it alone went)."""
+        return sum(self.sizes.get(o, 0) for o in content.objects if self.counts[o] == 1)
+
+    def drop(self, content: RefContent) -> int:
+        """Stop counting the ref; return the bytes this frees."""
+        freed = 0
+        for obj in content.objects:
+            self.counts[obj] -= 1
+            if self.counts[obj] == 0:
+                freed += self.sizes.get(obj, 0)
+        self.total -= freed
+        return freed
 
 
 @dataclass(frozen=True)
@@ -172,36 +172,31 @@ class UsageReport:
         }
 
 
-def disk_usage(repo: Repository, selector: str = "") -> UsageReport:
+def disk_usage(stores: Stores, selector: str = "") -> UsageReport:
     """Logical, stored, exclusive (freed if the selection were removed) and shared bytes."""
-    contents = read_contents(repo, repo.refs())
-    counts: Counter[str] = Counter()
-    for content in contents:
-        counts.update(content.objects)
+    contents = read_contents(stores, stores.refs.records())
     selected = [c for c in contents if ref_matches(c.name, selector)]
-    union: set[str] = set()
-    selected_counts: Counter[str] = Counter()
-    for content in selected:
-        union |= content.objects
-        selected_counts.update(content.objects)
-    sizes = object_sizes(repo, union)
+    union = {o for c in selected for o in c.objects}
+    accounting = Accounting(stores.objects.stored_sizes(union), contents)
     rows = tuple(
         RefUsage(
             c.name,
             c.target,
             c.logical_bytes,
-            sum(sizes.get(o, 0) for o in c.objects),
-            sum(sizes.get(o, 0) for o in c.objects if counts[o] == 1),
+            accounting.bytes_of(c.objects),
+            accounting.exclusive(c),
         )
         for c in selected
     )
+    # What only the selection names is exactly what dropping all of it frees.
+    exclusive = sum(accounting.drop(c) for c in selected)
     return UsageReport(
         selector,
         rows,
         sum(c.logical_bytes for c in selected),
-        sum(sizes.get(o, 0) for o in union),
-        sum(sizes.get(o, 0) for o in union if selected_counts[o] == counts[o]),
-        len(union - sizes.keys()),
+        accounting.bytes_of(union),
+        exclusive,
+        len(union - accounting.sizes.keys()),
     )
 
 
@@ -248,29 +243,25 @@ class StoreStats:
         }
 
 
-def store_stats(repo: Repository) -> StoreStats:
+def store_stats(stores: Stores) -> StoreStats:
     """Count chunks and manifests, and the dedup and compression ratios of what refs reach."""
-    contents = read_contents(repo, repo.refs())
-    decoded: dict[str, int] = {}
-    named: set[str] = set()
+    contents = read_contents(stores, stores.refs.records())
+    decoded: dict[Digest, int] = {}
+    named: set[ObjectId] = set()
     for content in contents:
         decoded.update(content.chunk_sizes)
         named |= content.objects
     chunks = chunk_bytes = reachable = reachable_bytes = 0
-    for info in repo.blobs.list_info("chunks/"):
-        match = CHUNK_KEY_RE.fullmatch(info.key)
-        if match is None:
-            continue
+    for stored in stores.objects.list_objects(ObjectKind.CHUNK):
         chunks += 1
-        chunk_bytes += info.size
-        if match.group(2) in named:
+        chunk_bytes += stored.size
+        if (ObjectKind.CHUNK, stored.digest) in named:
             reachable += 1
-            reachable_bytes += info.size
+            reachable_bytes += stored.size
     manifests = manifest_bytes = 0
-    for info in repo.blobs.list_info("manifests/"):
-        if MANIFEST_KEY_RE.fullmatch(info.key):
-            manifests += 1
-            manifest_bytes += info.size
+    for stored in stores.objects.list_objects(ObjectKind.MANIFEST):
+        manifests += 1
+        manifest_bytes += stored.size
     return StoreStats(
         refs=len(contents),
         manifests=manifests,
@@ -281,4 +272,66 @@ def store_stats(repo: Repository) -> StoreStats:
         reachable_stored_bytes=reachable_bytes,
         unique_bytes=sum(decoded.values()),
         logical_bytes=sum(c.logical_bytes for c in contents),
+    )
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Sizes of one manifest's data (``cas show``).
+
+    ``stored_bytes`` counts only the chunks the checkpoint names itself (what keeping it costs on
+    top of its bases); a delta-encoded checkpoint needs its bases too, and
+    ``stored_with_bases`` counts them.
+    """
+
+    logical_bytes: int
+    stored_bytes: int
+    stored_with_bases: int
+    chunks: int
+    base_chunks: int
+    missing_chunks: int
+
+    @property
+    def ratio(self) -> float:
+        """``stored_bytes / logical_bytes`` (0 for an empty checkpoint)."""
+        return self.stored_bytes / self.logical_bytes if self.logical_bytes else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        """Plain numbers for ``--json``."""
+        return {
+            "logical_bytes": self.logical_bytes,
+            "stored_bytes": self.stored_bytes,
+            "stored_with_bases": self.stored_with_bases,
+            "ratio": round(self.ratio, 4),
+            "chunks": self.chunks,
+            "base_chunks": self.base_chunks,
+            "missing_chunks": self.missing_chunks,
+        }
+
+
+def chunk_sizes(stores: Stores, digests: Iterable[Digest]) -> dict[Digest, int | None]:
+    """Stored size of each unique chunk (``None`` when it is missing)."""
+    unique = set(digests)
+    found = stores.objects.stored_sizes((ObjectKind.CHUNK, d) for d in unique)
+    return {d: found.get((ObjectKind.CHUNK, d)) for d in sorted(unique)}
+
+
+def stored_bytes(stores: Stores, digests: Iterable[Digest]) -> int:
+    """Bytes the unique chunks among ``digests`` occupy in the store (missing ones count 0)."""
+    return sum(size or 0 for size in chunk_sizes(stores, digests).values())
+
+
+def manifest_usage(stores: Stores, manifest: Manifest) -> Usage:
+    """Logical and stored bytes of one manifest (reads chunk sizes, never chunk data)."""
+    own = {ref.digest for ref in manifest.chunk_refs()}
+    bases = manifest.chunk_digests() - own
+    sizes = chunk_sizes(stores, own | bases)
+    own_bytes = sum(sizes[d] or 0 for d in own)
+    return Usage(
+        logical_bytes=manifest.logical_bytes(),
+        stored_bytes=own_bytes,
+        stored_with_bases=own_bytes + sum(sizes[d] or 0 for d in bases),
+        chunks=len(own),
+        base_chunks=len(bases),
+        missing_chunks=sum(1 for size in sizes.values() if size is None),
     )

@@ -11,19 +11,16 @@ import contextlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from cas.blobstore.bulk import has_many
 from cas.digest import Digest
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
 from cas.model.manifest import Manifest, decode_manifest
 from cas.objects.chunkio import Progress
-from cas.objects.store import chunk_key
+from cas.objects.keys import ObjectKind
+from cas.refs.stores import Stores
 
-if TYPE_CHECKING:
-    from cas.repo.repository import Repository
-
-SAMPLE_STATE_KEY = "state/verify-sample.json"
+SAMPLE_STATE = "verify-sample.json"
+"""The maintenance document holding where the next sampled verification starts."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ def in_sample(digest: Digest, start: float, pct: float) -> bool:
 
 
 def verify(
-    repo: Repository,
+    stores: Stores,
     selectors: Iterable[str] = ("",),
     *,
     level: str = "existence",
@@ -73,27 +70,28 @@ def verify(
     if level not in ("structure", "existence", "sample", "full"):
         raise ValueError(f"unknown verify level {level!r}")
     report = VerifyReport()
-    names = sorted({n for s in selectors for n in repo.refs_store.names(s)})
-    sample_start = _sample_start(repo) if level == "sample" else 0.0
+    refs = stores.refs
+    names = sorted({n for s in selectors for n in refs.names(s)})
+    sample_start = _sample_start(stores) if level == "sample" else 0.0
     owners: dict[Digest, str] = {}
     seen_manifests: set[Digest] = set()
     for name in names:
         report.refs += 1
         try:
-            record = repo.refs_store.get(name)
+            record = refs.get(name)
         except CASError as e:
             report.problems.append(Problem(name, "bad-ref", str(e)))
             continue
         for sealed in record.sealed:
             try:
-                repo.refs_store.segment(record, sealed)
+                refs.segment(record, sealed)
             except CASError as e:
                 report.problems.append(Problem(name, "bad-history", str(e)))
         target = record.target
         if target in seen_manifests:
             continue
         seen_manifests.add(target)
-        manifest = _read_manifest(repo, name, target, report)
+        manifest = _read_manifest(stores, name, target, report)
         if manifest is None:
             continue
         report.manifests += 1
@@ -102,18 +100,18 @@ def verify(
     if level == "structure":
         return report
     report.chunks = len(owners)
-    present = has_many(repo.blobs, (chunk_key(d) for d in owners))
+    present = stores.objects.has_many(ObjectKind.CHUNK, owners)
     for digest, ref in owners.items():
-        if not present[chunk_key(digest)]:
+        if not present[digest]:
             report.problems.append(Problem(ref, "missing-chunk", digest))
     to_hash = [
         d
         for d in owners
-        if present[chunk_key(d)]
+        if present[d]
         and (level == "full" or (level == "sample" and in_sample(d, sample_start, sample_pct)))
     ]
     for digest, outcome in zip(
-        to_hash, repo.io.pool.map(lambda d: _rehash(repo, d), to_hash), strict=False
+        to_hash, stores.pool.map(lambda d: _rehash(stores, d), to_hash), strict=False
     ):
         if isinstance(outcome, int):
             report.rehashed_chunks += 1
@@ -123,15 +121,15 @@ def verify(
         else:
             report.problems.append(Problem(owners[digest], "corrupt-chunk", f"{digest}: {outcome}"))
     if level == "sample":
-        _save_sample_start(repo, (sample_start + sample_pct) % 100.0)
+        _save_sample_start(stores, (sample_start + sample_pct) % 100.0)
     return report
 
 
 def _read_manifest(
-    repo: Repository, ref: str, target: Digest, report: VerifyReport
+    stores: Stores, ref: str, target: Digest, report: VerifyReport
 ) -> Manifest | None:
     try:
-        return decode_manifest(repo.objects.get_manifest(target))
+        return decode_manifest(stores.objects.get_manifest(target))
     except NotFound:
         report.problems.append(Problem(ref, "missing-manifest", target))
     except (IntegrityError, FormatError) as e:
@@ -139,22 +137,22 @@ def _read_manifest(
     return None
 
 
-def _rehash(repo: Repository, digest: Digest) -> int | str:
+def _rehash(stores: Stores, digest: Digest) -> int | str:
     try:
-        return len(repo.objects.get_chunk(digest))
+        return stores.objects.verify(digest)
     except CASError as e:
         return str(e)
 
 
-def _sample_start(repo: Repository) -> float:
+def _sample_start(stores: Stores) -> float:
     try:
-        doc = json.loads(repo.blobs.get(SAMPLE_STATE_KEY))
+        doc = json.loads(stores.maintenance.read_state(SAMPLE_STATE) or b"{}")
         return float(doc.get("next_start", 0.0)) % 100.0
-    except (NotFound, ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError):
         return 0.0
 
 
-def _save_sample_start(repo: Repository, start: float) -> None:
+def _save_sample_start(stores: Stores, start: float) -> None:
     # A read-only store still verifies; the rotation just does not advance.
     with contextlib.suppress(CASError):
-        repo.blobs.put(SAMPLE_STATE_KEY, json.dumps({"next_start": start}).encode())
+        stores.maintenance.write_state(SAMPLE_STATE, json.dumps({"next_start": start}).encode())

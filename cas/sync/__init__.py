@@ -1,1 +1,1 @@
-"""Moving checkpoints between stores: push, pull and archive."""
+"""Moving checkpoints between stores: push and pull (archive, which also frees, is in ``cas.repo``)."""

@@ -7,68 +7,46 @@ save does, so a destination ref never names a manifest whose chunks are missing 
    destination targets read here are the ``expected`` values of the final compare-and-swap.
 2. Read and verify each selected manifest on the source and collect its chunk digests
    (``Manifest.chunk_digests()``, delta bases included).
-3. Ask the destination which chunks and manifests it already has, in batches: ``has_many`` for
-   small sets, a listing of the touched ``chunks/<xx>/`` prefixes when that costs fewer requests.
-4. Copy the missing chunks in parallel as stored envelopes (the codec is kept); each blob is
-   decoded and hashed on the way, so corrupt bytes never travel. With ``codec=`` set, chunks are
-   re-encoded for the destination instead (``cas.objects.recode``), e.g. zstd for an archive. Copies are
-   create-only: a chunk a destination writer stores meanwhile keeps that writer's encoding.
+3. Ask the destination which chunks it already has (``ObjectStore.missing``: one existence
+   request per chunk for small sets, a listing of the touched ``chunks/<xx>/`` prefixes when
+   that costs fewer requests).
+4. Copy the missing chunks in parallel as stored (``ObjectStore.copy``: the codec is kept); each
+   is decoded and hashed on the way, so corrupt bytes never travel. With ``codec=`` set, chunks
+   are re-encoded for the destination instead (``cas.objects.recode``), e.g. zstd for an
+   archive. Copies are create-only: a chunk a destination writer stores meanwhile keeps that
+   writer's encoding.
 5. ``sync`` the destination, copy the manifests, ``sync`` again, then move each destination ref by
    compare-and-swap. A ref that moved meanwhile is a ``RefConflict``; everything copied stays, and
    the old target remains in the ref's history, so nothing is lost.
 
 An interrupted transfer leaves only unreferenced chunks behind; run again, it finds them present
-and copies the rest. Skipped chunks that the destination's current manifests do not name are
-``touch``-ed so an age-based GC running there does not sweep them before the ref lands.
+and copies the rest. Chunks and manifests the destination already holds are refreshed, so an
+age-based GC running there does not sweep them before the ref lands. Both sides are ``Stores``
+(``cas.refs.stores``); ``Repository.push`` and ``pull`` are the front door.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from cas.blobstore.base import BlobStore
-from cas.blobstore.bulk import has_many, touch_many
-from cas.codecs import codec_by_id, codec_by_name
-from cas.digest import Digest, digest_of
-from cas.errors import BackendError, CASError, FormatError, IntegrityError, NotFound, RefConflict
+from cas.codecs import codec_by_name
+from cas.digest import Digest
+from cas.errors import BackendError, CASError, IntegrityError, NotFound, RefConflict
 from cas.model.manifest import ITEMSIZE, Manifest, decode_manifest
 from cas.names import RefName
-from cas.objects.store import ObjectStore, chunk_key, manifest_key, parse_envelope
-from cas.refs.leases import LeaseManager
+from cas.objects.keys import ObjectKind
+from cas.objects.recode import KEEP
 from cas.refs.store import RefStore
+from cas.refs.stores import Stores
 
 TransferProgress = Callable[[int, int], None]
 """Called with ``(bytes_moved, bytes_skipped)`` increments, in logical (decoded) bytes."""
 
-LIST_MIN_KEYS = 2048
-"""Below this many candidate chunks, asking per key (``has_many``) is always cheap enough."""
-LIST_PAGE = 1000
-"""Keys per listing request on S3 (ListObjectsV2's maximum page)."""
-KEEP = "keep"
-"""Copy stored objects as they are (the default codec choice)."""
-
-
-class StoreSide(Protocol):
-    """What a transfer needs from each side; ``cas.Repository`` provides it."""
-
-    @property
-    def blobs(self) -> BlobStore: ...
-
-    @property
-    def objects(self) -> ObjectStore: ...
-
-    @property
-    def refs_store(self) -> RefStore: ...
-
-    @property
-    def leases(self) -> LeaseManager: ...
+__all__ = ["KEEP", "TransferConflict", "TransferReport", "pull", "push", "transfer"]
 
 
 @dataclass(frozen=True)
@@ -147,8 +125,8 @@ class _Selected:
 
 
 def push(
-    src: StoreSide,
-    dst: StoreSide,
+    src: Stores,
+    dst: Stores,
     selectors: Sequence[str],
     *,
     jobs: int = 16,
@@ -160,8 +138,8 @@ def push(
 
 
 def pull(
-    dst: StoreSide,
-    src: StoreSide,
+    dst: Stores,
+    src: Stores,
     selectors: Sequence[str],
     *,
     jobs: int = 16,
@@ -173,8 +151,8 @@ def pull(
 
 
 def transfer(
-    src: StoreSide,
-    dst: StoreSide,
+    src: Stores,
+    dst: Stores,
     selectors: Sequence[str],
     *,
     jobs: int = 16,
@@ -190,13 +168,13 @@ def transfer(
     archive compressed. The whole transfer holds a writer lease on ``dst`` (``cas.refs.leases``), so
     a GC running there spares what it copies, and the refs move only while the lease is live.
     """
-    with dst.leases.hold(op):
+    with dst.writers.hold(op):
         return _transfer(src, dst, selectors, jobs, progress, codec, op, clock)
 
 
 def _transfer(
-    src: StoreSide,
-    dst: StoreSide,
+    src: Stores,
+    dst: Stores,
     selectors: Sequence[str],
     jobs: int,
     progress: TransferProgress | None,
@@ -205,56 +183,58 @@ def _transfer(
     clock: Callable[[], float],
 ) -> TransferReport:
     began = clock()
-    report = TransferReport(src.blobs.url, dst.blobs.url)
+    report = TransferReport(src.url, dst.url)
     report_progress = progress or (lambda moved, skipped: None)
-    selected = select_refs(src.refs_store, dst.refs_store, selectors)
+    selected = select_refs(src.refs, dst.refs, selectors)
 
-    manifests: dict[Digest, tuple[bytes, Manifest]] = {}
+    manifests: dict[Digest, Manifest] = {}
     for item in selected:
         if item.target not in manifests:
-            manifests[item.target] = read_manifest_blob(src.objects, item.target)
+            manifests[item.target] = read_manifest(src, item.target)
     wanted: dict[Digest, int] = {}
-    for _, manifest in manifests.values():
+    for manifest in manifests.values():
         for ref in manifest.chunk_refs():
             wanted[ref.digest] = ref.size
         for digest in manifest.chunk_digests():
             wanted.setdefault(digest, 0)  # a delta base of unknown size; counted when copied
 
-    missing_chunks, report.lookup = find_missing(dst.blobs, [chunk_key(d) for d in wanted])
-    missing = [d for d in wanted if chunk_key(d) in missing_chunks]
-    skipped = [d for d in wanted if chunk_key(d) not in missing_chunks]
+    missing_chunks, report.lookup = dst.objects.missing(ObjectKind.CHUNK, list(wanted))
+    missing = [d for d in wanted if d in missing_chunks]
+    skipped = [d for d in wanted if d not in missing_chunks]
     report.chunks_skipped = len(skipped)
     report.bytes_skipped = sum(wanted[d] for d in skipped)
     report_progress(0, report.bytes_skipped)
-    _freshen(dst, skipped, jobs)
+    # Touch every skipped chunk so GC's age check spares it while the refs move. A chunk a
+    # destination manifest keeps alive today is no exception: the ref naming that manifest may
+    # move meanwhile, and the refs this transfer moves would then name a swept chunk. A chunk
+    # swept before its touch is stored again by ``_reconcile_chains``.
+    dst.objects.freshen(ObjectKind.CHUNK, skipped, jobs)
 
     copier = _ChunkCopier(src, dst, report, report_progress, codec, _element_sizes(manifests))
     copier.copy_all(missing, jobs)
     _reconcile_chains(src, dst, [*skipped, *copier.lost], manifests, report, jobs)
-    dst.blobs.sync()
+    dst.objects.sync()
 
-    present = has_many(dst.blobs, [manifest_key(d) for d in manifests])
-    for digest, (blob, _) in manifests.items():
-        if present[manifest_key(digest)]:
-            # It may be an unreferenced leftover: refresh it so GC's age check spares it.
-            with contextlib.suppress(NotFound):
-                dst.blobs.touch(manifest_key(digest))
+    for digest in manifests:
+        # One already there may be an unreferenced leftover: the copy refreshes it instead, so
+        # GC's age check spares it.
+        copied = src.objects.copy(ObjectKind.MANIFEST, digest, dst.objects)
+        if copied.created:
+            report.manifests_moved += 1
+            report.wire_bytes += copied.stored_bytes
+        else:
             report.manifests_skipped += 1
-            continue
-        dst.blobs.put(manifest_key(digest), blob)
-        report.manifests_moved += 1
-        report.wire_bytes += len(blob)
-    dst.blobs.sync()
+    dst.objects.sync()
 
-    dst.leases.check()
+    dst.writers.check()
     for item in selected:
-        report.refs.append(_move_ref(dst.refs_store, item, op, src.blobs.url))
+        report.refs.append(_move_ref(dst.refs, item, op, src.url))
     report.seconds = clock() - began
     conflicts = [r for r in report.refs if r.status == "conflict"]
     if conflicts:
         names = ", ".join(r.name for r in conflicts)
         raise TransferConflict(
-            f"{len(conflicts)} ref(s) on {dst.blobs.url} moved during the {op}: {names}; every "
+            f"{len(conflicts)} ref(s) on {dst.url} moved during the {op}: {names}; every "
             "chunk and manifest was copied, so running it again to point them here anyway "
             "moves no data (their other targets stay in the ref history)",
             report,
@@ -270,7 +250,7 @@ def select_refs(src: RefStore, dst: RefStore, selectors: Sequence[str]) -> list[
     for selector in selectors:
         found = list(src.names(selector))
         if not found:
-            raise NotFound(f"no ref matches {selector!r} in {src.blobs.url}")
+            raise NotFound(f"no ref matches {selector!r} in {src.url}")
         names.update(found)
     selected = []
     for name in sorted(names):
@@ -280,90 +260,25 @@ def select_refs(src: RefStore, dst: RefStore, selectors: Sequence[str]) -> list[
         remote = dst.try_get(name)
         selected.append(_Selected(name, record.target, remote.target if remote else None))
     if not selected:
-        raise NotFound(f"the refs selected by {list(selectors)} vanished from {src.blobs.url}")
+        raise NotFound(f"the refs selected by {list(selectors)} vanished from {src.url}")
     return selected
 
 
-def read_manifest_blob(objects: ObjectStore, digest: Digest) -> tuple[bytes, Manifest]:
-    """The stored manifest object (to copy as is) and its verified, decoded manifest."""
+def read_manifest(stores: Stores, digest: Digest) -> Manifest:
+    """A manifest of the source, verified and decoded; NotFound naming the store if missing."""
     try:
-        blob = objects.blobs.get(manifest_key(digest))
+        return decode_manifest(stores.objects.get_manifest(digest))
     except NotFound as e:
-        raise NotFound(f"manifest {digest} is missing from {objects.blobs.url}") from e
-    decoded = verify_object(objects, digest, blob, what="manifest")
-    return blob, decode_manifest(bytes(decoded))
-
-
-def verify_object(
-    objects: ObjectStore, digest: Digest, blob: bytes, *, what: str = "chunk"
-) -> bytes | memoryview:
-    """Decode a stored object and check it hashes to ``digest``; delta bases come from ``objects``."""
-    try:
-        envelope = parse_envelope(blob, objects.max_object_size)
-        codec = codec_by_id(envelope.codec_id)
-        decoded = codec.decode(
-            envelope.params,
-            memoryview(blob)[envelope.payload_offset :],
-            envelope.decoded_size,
-            objects.get_chunk,
-        )
-    except FormatError as e:
-        raise IntegrityError(f"{what} {digest} in {objects.blobs.url} is corrupt: {e}") from e
-    if len(decoded) != envelope.decoded_size or digest_of(decoded) != digest:
-        raise IntegrityError(
-            f"{what} {digest} in {objects.blobs.url} is corrupt: its bytes hash to something else"
-        )
-    return decoded
-
-
-def find_missing(blobs: BlobStore, keys: Sequence[str]) -> tuple[set[str], str]:
-    """The subset of ``keys`` (``chunks/xx/<digest>``) ``blobs`` lacks, and the method used.
-
-    One existence request per key costs ``len(keys)`` requests; listing the touched prefixes
-    costs about ``prefixes * ceil(keys_per_prefix / 1000)``. Above ``LIST_MIN_KEYS`` one prefix is
-    listed to estimate the destination's density, and the cheaper method is used for the rest.
-    """
-    if len(keys) < LIST_MIN_KEYS:
-        present = has_many(blobs, keys)
-        return {k for k, there in present.items() if not there}, "has"
-    by_prefix: dict[str, list[str]] = {}
-    for key in keys:
-        by_prefix.setdefault(key.rpartition("/")[0] + "/", []).append(key)
-    prefixes = sorted(by_prefix)
-    sample = set(blobs.list(prefixes[0]))
-    per_prefix = max(1, math.ceil(len(sample) / LIST_PAGE))
-    list_requests = len(prefixes) * per_prefix
-    if list_requests * 2 >= len(keys):
-        present = has_many(blobs, keys)
-        return {k for k, there in present.items() if not there}, "has"
-    listed = {prefixes[0]: sample}
-    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="cas-list") as pool:
-        for prefix, found in zip(
-            prefixes[1:], pool.map(_list_set(blobs), prefixes[1:]), strict=True
-        ):
-            listed[prefix] = found
-    return {k for p, ks in by_prefix.items() for k in ks if k not in listed[p]}, "list"
-
-
-def _list_set(blobs: BlobStore) -> Callable[[str], set[str]]:
-    return lambda prefix: set(blobs.list(prefix))
-
-
-def _freshen(dst: StoreSide, skipped: Iterable[Digest], jobs: int) -> None:
-    """Touch every skipped chunk so GC's age check spares it while the refs move.
-
-    A chunk a destination manifest keeps alive today is no exception: the ref naming that
-    manifest may move meanwhile, and the refs this transfer moves would then name a swept chunk.
-    A chunk swept before its touch is stored again by ``_reconcile_chains``.
-    """
-    touch_many(dst.blobs, [chunk_key(d) for d in skipped], jobs)
+        raise NotFound(f"manifest {digest} is missing from {stores.url}") from e
+    except IntegrityError as e:
+        raise IntegrityError(f"{e} (in {stores.url})") from e
 
 
 def _reconcile_chains(
-    src: StoreSide,
-    dst: StoreSide,
+    src: Stores,
+    dst: Stores,
     found: Sequence[Digest],
-    manifests: dict[Digest, tuple[bytes, Manifest]],
+    manifests: dict[Digest, Manifest],
     report: TransferReport,
     jobs: int,
 ) -> None:
@@ -377,7 +292,7 @@ def _reconcile_chains(
     such chunk finds them; a standalone chunk needs no base.
     """
     allowed: dict[Digest, set[Digest]] = {}
-    for _, manifest in manifests.values():
+    for manifest in manifests.values():
         for entry in manifest.tensors:
             bases = set(entry.base_digests())
             for digest in [*(ref.digest for ref in entry.chunks), *bases]:
@@ -405,8 +320,8 @@ class _ChunkCopier:
 
     def __init__(
         self,
-        src: StoreSide,
-        dst: StoreSide,
+        src: Stores,
+        dst: Stores,
         report: TransferReport,
         progress: TransferProgress,
         codec: str,
@@ -422,7 +337,7 @@ class _ChunkCopier:
         self._bases: set[Digest] = set()
         self.lost: list[Digest] = []
         """Chunks another writer stored at the destination first (its encoding stayed)."""
-        self._beat = dst.leases.beat(None)
+        self._beat = dst.writers.beat(None)
 
     def copy_all(self, digests: Sequence[Digest], jobs: int) -> None:
         """Copy every digest; the first failure stops the rest and is raised as BackendError."""
@@ -435,9 +350,9 @@ class _ChunkCopier:
             extra = sorted(self._bases - done)
             if not extra:
                 break
-            present = has_many(self.dst.blobs, [chunk_key(d) for d in extra])
-            done.update(d for d in extra if present[chunk_key(d)])
-            todo = [d for d in extra if not present[chunk_key(d)]]
+            present = self.dst.objects.has_many(ObjectKind.CHUNK, extra)
+            done.update(d for d in extra if present[d])
+            todo = [d for d in extra if not present[d]]
 
     def _run(self, digests: Sequence[Digest], jobs: int) -> None:
         pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="cas-copy")
@@ -458,7 +373,7 @@ class _ChunkCopier:
         assert error is not None
         if not isinstance(error, Exception):
             raise error
-        where = f"{self.src.blobs.url} -> {self.dst.blobs.url}"
+        where = f"{self.src.url} -> {self.dst.url}"
         summary = (
             f"copy {where} stopped after {self.report.chunks_moved} of {total} missing chunks "
             f"({self.report.bytes_moved} bytes); no destination ref was changed, run it again to "
@@ -474,21 +389,13 @@ class _ChunkCopier:
         if self.codec != KEEP:
             self._recode_one(digest)
             return
-        key = chunk_key(digest)
-        try:
-            blob = self.src.blobs.get(key)
-        except NotFound as e:
-            raise NotFound(f"chunk {digest} is missing from {self.src.blobs.url}") from e
-        decoded = verify_object(self.src.objects, digest, blob)
-        envelope = parse_envelope(blob, self.src.objects.max_object_size)
-        base = codec_by_id(envelope.codec_id).base_of(envelope.params)
         # Create-only: a chunk a writer stored at the destination meanwhile, perhaps as a delta
         # against another base that its manifest records, must not be replaced.
-        created = self.dst.blobs.put_if_absent(key, blob)
+        copied = self.src.objects.copy(ObjectKind.CHUNK, digest, self.dst.objects)
         with self._lock:
-            if base is not None:
-                self._bases.add(base)
-        self._counted(digest, created, len(decoded), len(blob))
+            if copied.base is not None:
+                self._bases.add(copied.base)
+        self._counted(digest, copied.created, copied.size, copied.stored_bytes)
 
     def _recode_one(self, digest: Digest) -> None:
         from cas.objects.recode import recode_chunk
@@ -502,7 +409,7 @@ class _ChunkCopier:
                 elem_size=self.elem_sizes.get(digest, 1),
             )
         except NotFound as e:
-            raise NotFound(f"chunk {digest} is missing from {self.src.blobs.url}") from e
+            raise NotFound(f"chunk {digest} is missing from {self.src.url}") from e
         self._counted(digest, result.new, result.size, result.stored_bytes)
 
     def _counted(self, digest: Digest, created: bool, size: int, stored: int) -> None:
@@ -524,10 +431,10 @@ class _ChunkCopier:
             self._beat(size)
 
 
-def _element_sizes(manifests: dict[Digest, tuple[bytes, Manifest]]) -> dict[Digest, int]:
+def _element_sizes(manifests: dict[Digest, Manifest]) -> dict[Digest, int]:
     """Each tensor chunk's element size, for byte-grouping codecs when re-encoding."""
     sizes: dict[Digest, int] = {}
-    for _, manifest in manifests.values():
+    for manifest in manifests.values():
         for tensor in manifest.tensors:
             for ref in tensor.chunks:
                 sizes.setdefault(ref.digest, ITEMSIZE.get(tensor.dtype, 1))

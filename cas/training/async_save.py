@@ -20,27 +20,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
-import torch
 
-from cas.blobstore.direct import DIRECT_MIN
 from cas.errors import CASError
-from cas.objects.store import HEADER_SIZE
+from cas.repo.background import staging_offset
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 P = TypeVar("P")
-
-STAGING_OFFSET = HEADER_SIZE
-"""How far past a page boundary a large staged tensor starts: a raw chunk's header length.
-
-Chunks are cut from a tensor's first byte at multiples of the chunk size (a multiple of a page
-unless a store chose otherwise), and a raw chunk is stored as this header followed by its bytes, so
-every payload then sits in memory where it goes in the file modulo a page, and ``write_direct``
-sends it to the disk from where it lies instead of copying it into an aligned buffer
-(cas.blobstore.direct).
-"""
 
 
 class AsyncSaveError(CASError):
@@ -63,6 +54,8 @@ class Stager:
     """
 
     def __init__(self, pin_memory: bool | None = None) -> None:
+        import torch
+
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._free: list[StagingSet] = []
         self._lock = threading.Lock()
@@ -79,6 +72,8 @@ class Stager:
 
     def snapshot(self, state: Any, staging: StagingSet) -> Any:
         """A copy of ``state`` whose tensors live in ``staging``; shared tensors stay shared."""
+        import torch
+
         seen: dict[int, Any] = {}
         counter = [0]
         device_copies = [False]
@@ -230,17 +225,71 @@ class AsyncWriter(Generic[T]):
 
 
 def staging_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor that starts ``STAGING_OFFSET`` bytes past a page boundary.
+    """An uninitialised CPU tensor laid out for direct writes (``cas.repo.background``).
 
     Only when its chunks can be large enough for direct writes: a smaller one would waste most of
     a page and a mapping of its own for nothing. Every dtype's item size divides the offset.
     """
+    import torch
+
     nbytes = math.prod(shape) * dtype.itemsize
-    if STAGING_OFFSET + nbytes < DIRECT_MIN:
+    offset = staging_offset(nbytes)
+    if offset is None:
         return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, STAGING_OFFSET + nbytes)  # the tensor keeps it mapped
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=STAGING_OFFSET)
+    region = mmap.mmap(-1, offset + nbytes)  # the tensor keeps it mapped
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     return flat.view(dtype).reshape(shape)
+
+
+@dataclass
+class _Lent:
+    thread: int
+    """``threading.get_ident()`` of the thread that lent it: OpenMP's count is per thread."""
+    threads: int
+    """Its ``torch.get_num_threads()`` before the save."""
+    save: Future[Any]
+    """The newest save it waits for."""
+
+
+class ThreadLender:
+    """Lends one of the training thread's intra-op threads to background saves (``yield_thread``).
+
+    While a save runs, the caller's parallel regions run on one thread fewer, so the save has a
+    core of its own instead of stalling each region at its barrier; the thread comes back once
+    the newest save is written. Only the thread that lent it can give it back: torch's thread
+    count is per OpenMP thread.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._lent: _Lent | None = None
+
+    def lend(self, save: Future[Any]) -> None:
+        """Run this thread's parallel regions on one thread fewer until ``save`` is written."""
+        import torch
+
+        if not self.enabled or save.done():
+            return
+        if self._lent is not None and self._lent.thread == threading.get_ident():
+            self._lent.save = save  # still lent: keep it until the newest save is written
+            return
+        threads = torch.get_num_threads()
+        if self._lent is None and threads > 1:
+            torch.set_num_threads(threads - 1)
+            self._lent = _Lent(threading.get_ident(), threads, save)
+
+    def reclaim(self, force: bool = False) -> None:
+        """Give the lent thread back once its save is written (``force``: now)."""
+        import torch
+
+        lent = self._lent
+        if lent is None or lent.thread != threading.get_ident():
+            return
+        if not (force or lent.save.done()):
+            return
+        self._lent = None
+        if torch.get_num_threads() == lent.threads - 1:  # unless the caller changed it since
+            torch.set_num_threads(lent.threads)
 
 
 def lower_thread_priority(increment: int) -> None:
@@ -262,4 +311,6 @@ def lower_thread_priority(increment: int) -> None:
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     """A contiguous CPU tensor's storage as a flat uint8 numpy view (any dtype, 0-d included)."""
+    import torch
+
     return tensor.reshape(-1).view(torch.uint8).numpy()

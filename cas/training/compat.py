@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from cas.digest import digest_of
 from cas.errors import CASError, FormatError
+
+if TYPE_CHECKING:
+    pass
 
 
 class ConfigMismatch(CASError):
@@ -70,6 +72,8 @@ def check_keys(loaded: Any, template: Any, where: str) -> None:
 
 
 def _leaf_shapes(state: Any, path: str = "") -> dict[str, Any]:
+    import torch
+
     if isinstance(state, (torch.Tensor, np.ndarray)):
         return {path: (str(state.dtype).removeprefix("torch."), tuple(state.shape))}
     if isinstance(state, Mapping):

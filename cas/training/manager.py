@@ -12,8 +12,9 @@ A saved manifest's tree is ``{"state": <your state>, "rng": <cas.training.rng.ca
 holds step, phase, metrics, status (``running``/``interrupted``/``completed``), trigger and the
 config hash. Every save writes chunks, then the manifest, then the checkpoint ref, then moves
 ``latest`` and ``best`` by compare-and-swap: a process killed at any point leaves ``latest`` on a
-complete checkpoint. A ``policy`` (retention, issue 5) is anything with ``apply(repo)`` or a
-callable ``policy(repo)``; it runs after each save, in the background.
+complete checkpoint. A ``policy`` is a ``RetentionPolicy`` (applied with ``Repository.forget``),
+anything with ``apply(repo)`` or a callable ``policy(repo)``; it runs after each save, in the
+background.
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from cas.digest import Digest
 from cas.errors import CASError, NotFound
 from cas.refs.store import RefChange, RefRecord
 from cas.repo.repository import Repository
+from cas.retention.policy import RetentionPolicy
 from cas.training import rng as rng_mod
-from cas.training.async_save import AsyncWriter, Stager, StagingSet
+from cas.training.async_save import AsyncWriter, Stager, StagingSet, ThreadLender
 from cas.training.compat import (
     ConfigMismatch,
     StrictLoadError,
@@ -44,7 +44,6 @@ from cas.training.compat import (
     plain_config,
 )
 from cas.training.history import HistoryRecord, TrainingHistory, plain_record
-from cas.training.layout import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
 from cas.training.restore import (
     Found,
     Restored,
@@ -54,9 +53,12 @@ from cas.training.restore import (
     resume_candidates,
     unwrap,
 )
+from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
 from cas.training.signals import SignalTriggers
 
 if TYPE_CHECKING:
+    import torch
+
     from cas.training.pool import OpponentPool
 
 __all__ = [
@@ -113,18 +115,6 @@ class PendingSave:
     def result(self, timeout: float | None = None) -> SaveResult:
         """Wait for the commit; re-raise its failure."""
         return self.future.result(timeout)
-
-
-@dataclass
-class _LentThread:
-    """An intra-op thread the training thread lent to background saves (``yield_thread``)."""
-
-    thread: int
-    """``threading.get_ident()`` of the thread that lent it: OpenMP's count is per thread."""
-    threads: int
-    """Its ``torch.get_num_threads()`` before the save."""
-    save: Future[SaveResult]
-    """The newest save it waits for."""
 
 
 @dataclass
@@ -198,13 +188,10 @@ class CheckpointManager:
             # Its own chunk workers, started from the low-priority save thread, so they inherit
             # that priority; the same blobs, written past the page cache where the store can
             # (a local store's O_DIRECT halves what a save takes from the loop, docs/design.md).
-            self._write_repo = Repository(
-                repo.blobs.for_background_writes(), repo.config, clock=repo.clock,
-                workers=background_workers,
-            )  # fmt: skip
+            self._write_repo = repo.for_background_writes(background_workers)
         self._write_history = TrainingHistory(self._write_repo, self.history.ref)
         self.yield_thread = yield_thread
-        self._lent: _LentThread | None = None
+        self._lender = ThreadLender(yield_thread)
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None
         self.triggers = SignalTriggers()
@@ -255,7 +242,7 @@ class CheckpointManager:
         (``SystemExit(0)``; with ``exit_on_stop=False`` it returns the save instead). With
         ``yield_thread`` it also gives back the intra-op thread lent to a save once it is written.
         """
-        self._reclaim_thread()
+        self._lender.reclaim()
         if self.triggers.stop_requested:
             signum = self.triggers.stop_signal
             pending = self.save(step, state, metrics, trigger="signal", status="interrupted")
@@ -276,7 +263,7 @@ class CheckpointManager:
     ) -> SaveResult:
         """The final save of a completed run; waits for it. Signals act as before the manager."""
         result = self.save(step, state, metrics, trigger="final", status="completed").result()
-        self._reclaim_thread()
+        self._lender.reclaim()
         self.triggers.uninstall()
         return result
 
@@ -328,34 +315,10 @@ class CheckpointManager:
                 future.set_exception(e)
                 raise
             return PendingSave(future, step, prepared.ref, time.perf_counter() - start)
-        self._reclaim_thread()
+        self._lender.reclaim()
         future, blocked = self._writer.submit(prepare, self._write, cleanup=self._release)
-        self._lend_thread(future)
+        self._lender.lend(future)
         return PendingSave(future, step, self.checkpoint_ref(step, phase), blocked)
-
-    def _lend_thread(self, save: Future[SaveResult]) -> None:
-        """With ``yield_thread``, run the caller's parallel regions on one thread fewer until
-        ``save`` is written, so the save has a core of its own instead of stalling them."""
-        if not self.yield_thread or save.done():
-            return
-        if self._lent is not None and self._lent.thread == threading.get_ident():
-            self._lent.save = save  # still lent: keep it until the newest save is written
-            return
-        threads = torch.get_num_threads()
-        if self._lent is None and threads > 1:
-            torch.set_num_threads(threads - 1)
-            self._lent = _LentThread(threading.get_ident(), threads, save)
-
-    def _reclaim_thread(self, force: bool = False) -> None:
-        """Give the lent thread back once its save is written (``force``: now)."""
-        lent = self._lent
-        if lent is None or lent.thread != threading.get_ident():
-            return  # torch's thread count is per OpenMP thread: only the lender can restore it
-        if not (force or lent.save.done()):
-            return
-        self._lent = None
-        if torch.get_num_threads() == lent.threads - 1:  # unless the caller changed it since
-            torch.set_num_threads(lent.threads)
 
     def _release(self, prepared: _Prepared) -> None:
         if prepared.staging is not None:
@@ -408,9 +371,8 @@ class CheckpointManager:
         is_best = self._update_best(digest, prepared)
         retention_error = None
         if self.policy is not None:
-            apply = getattr(self.policy, "apply", None)
             try:
-                (apply or self.policy)(self.repo)
+                self._apply_policy()
             except Exception as e:  # e.g. a `cas gc` holds the maintenance lock right now
                 retention_error = f"{type(e).__name__}: {e}"
                 log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
@@ -419,6 +381,13 @@ class CheckpointManager:
             prepared.status, is_best, prepared.blocking, time.perf_counter() - start,
             stats.logical_bytes, stats.new_bytes, retention_error,
         )  # fmt: skip
+
+    def _apply_policy(self) -> None:
+        if isinstance(self.policy, RetentionPolicy):
+            self.repo.forget(self.policy)
+        else:
+            apply = getattr(self.policy, "apply", None)
+            (apply or self.policy)(self.repo)
 
     def _update_best(self, digest: Digest, prepared: _Prepared) -> bool:
         if self.best is None:
@@ -457,7 +426,7 @@ class CheckpointManager:
             if self._writer is not None:
                 self._writer.wait()
         finally:
-            self._reclaim_thread(force=True)
+            self._lender.reclaim(force=True)
 
     def close(self) -> None:
         """Finish saves in flight, write pending history records, remove the signal handlers."""
@@ -468,10 +437,10 @@ class CheckpointManager:
             if self._writer is not None:
                 self._writer.close()
         finally:
-            self._reclaim_thread(force=True)
+            self._lender.reclaim(force=True)
             self.triggers.uninstall()
             if self._write_repo is not self.repo:
-                self._write_repo.io.close()  # its threads only: the store is shared
+                self._write_repo.close()  # its threads only: the store is shared
             with self._records_lock:
                 records, self._pending_records = self._pending_records, []
             if records:

@@ -26,8 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from cas.digest import Digest, digest_of
 from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import Manifest
@@ -36,6 +34,8 @@ from cas.refs.log import AppendLog
 from cas.refs.store import RefChange, RefRecord
 
 if TYPE_CHECKING:
+    import torch
+
     from cas.repo.repository import Repository
 
 ENTRY_RE = re.compile(r"pool_v(\d+)_step(\d+)\Z")

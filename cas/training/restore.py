@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from cas.digest import Digest
 from cas.errors import FormatError, IntegrityError, NotFound
 
 if TYPE_CHECKING:
+    import torch
+
     from cas.repo.repository import Repository
 
 log = logging.getLogger("cas.training.manager")

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from cas.errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("cas.training.rng")
 
@@ -24,6 +26,8 @@ RNG_FORMAT_VERSION = 1
 
 def capture() -> dict[str, Any]:
     """The current state of every global generator a training loop usually draws from."""
+    import torch
+
     py_version, py_state, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
@@ -50,6 +54,8 @@ def capture() -> dict[str, Any]:
 
 def restore(state: Mapping[str, Any]) -> list[str]:
     """Put every generator back to ``state``; return warnings about what could not be restored."""
+    import torch
+
     if state.get("version") != RNG_FORMAT_VERSION:
         raise FormatError(f"unknown RNG state version {state.get('version')!r}")
     warnings: list[str] = []
@@ -87,6 +93,8 @@ def restore(state: Mapping[str, Any]) -> list[str]:
 
 def seed_all(seed: int) -> None:
     """Seed Python, numpy's global and torch (all devices) from one integer."""
+    import torch
+
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
     torch.manual_seed(seed)
@@ -98,6 +106,8 @@ def phase_seed(seed: int, phase: int) -> int:
 
 
 def _as_byte_tensor(value: Any) -> torch.Tensor:
+    import torch
+
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(value)
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:

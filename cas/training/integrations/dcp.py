@@ -142,7 +142,7 @@ class CASStorageWriter(StorageWriter):  # type: ignore[misc,unused-ignore]
             entries, _ = self.repo.write_tensors(sources)
             for item, kind, entry in zip(batch, kinds, entries, strict=True):
                 results.append(WriteResult(item.index, entry.nbytes, StoredItem(kind, entry)))
-        self.repo.blobs.sync()  # the coordinator's commit cannot make another rank's chunks durable
+        self.repo.sync()  # the coordinator's commit cannot make another rank's chunks durable
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

@@ -18,7 +18,6 @@ import re
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from cas.errors import NotFound
@@ -63,6 +62,8 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load the checkpoint stored for ``path`` (verified; no pickle, so always weights-only)."""
+        import torch
+
         location = map_location if isinstance(map_location, (str, torch.device)) else None
         try:
             loaded: dict[str, Any] = self.repo.load(self.ref_for(path), map_location=location)

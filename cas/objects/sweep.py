@@ -1,4 +1,4 @@
-"""Sweeping: listing objects for GC and deleting its candidates safely against concurrent writers.
+"""Sweeping: deleting candidate objects safely against writers that reuse them meanwhile.
 
 Each candidate is checked at the last moment: an object modified at or after the plan's cutoff was
 reused by a writer after GC listed it, and is spared. On a local store the check is exact: the
@@ -6,7 +6,8 @@ object is renamed into ``tmp/gc-trash`` first and its mtime read there. A writer
 before the rename moved that mtime (the object goes back), one after it finds no file and the
 writer stores the chunk again. A GC killed between rename and put-back leaves the object in the
 trash; the next run puts everything found there back before it plans. Other stores ``stat`` and
-then ``delete``, which leaves a window of one round trip.
+then ``delete``, which leaves a window of one round trip. Which sweeper a store gets is decided by
+its capabilities (``local_root`` and ``supports_rename``), never by its class.
 """
 
 from __future__ import annotations
@@ -16,21 +17,32 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 from cas.blobstore.base import BlobStore
 from cas.blobstore.local import TMP_DIR
+from cas.digest import Digest
 from cas.errors import NotFound
-from cas.retention.space import CHUNK_KEY_RE, MANIFEST_KEY_RE
+from cas.objects.keys import ObjectKind, object_key, parse_object_key
 
 TRASH_DIR = TMP_DIR + "/gc-trash"
 _TMP_NAME_RE = re.compile(r"[0-9a-f]{32}\.tmp")
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+
+Candidate = tuple[ObjectKind, Digest]
+"""An object GC planned to delete."""
 
 
-Outcome = tuple[str, str, int]
-"""``(key, "deleted" | "spared" | "gone", bytes freed)``."""
+@dataclass(frozen=True)
+class SweepOutcome:
+    """What happened to one candidate: ``deleted`` (``size`` bytes freed), ``spared`` (reused
+    since the plan) or ``gone`` (already deleted)."""
+
+    kind: ObjectKind
+    digest: Digest
+    status: str
+    size: int = 0
 
 
 class Sweeper:
@@ -50,30 +62,23 @@ class Sweeper:
         """Undo what a killed run left half done; return how many objects were put back."""
         return 0
 
-    def scan(self, prefix: str, pattern: re.Pattern[str]) -> Iterator[tuple[str, int, float]]:
-        """``(digest, size, mtime)`` of each object under ``prefix`` whose key ``pattern`` matches
-        (group 2 is the digest); other keys are not cas objects and never GC's to delete."""
-        for info in self.blobs.list_info(prefix):
-            match = pattern.fullmatch(info.key)
-            if match is not None:
-                yield match.group(2), info.size, info.mtime
-
-    def remove_many(self, keys: Iterable[str], cutoff: float) -> Iterator[Outcome]:
-        """One outcome per key, in order."""
+    def remove_many(self, candidates: Iterable[Candidate], cutoff: float) -> Iterator[SweepOutcome]:
+        """One outcome per candidate, in order."""
         with ThreadPoolExecutor(self.workers, thread_name_prefix="cas-sweep") as pool:
-            for batch in _batches(keys, self.BATCH):
-                yield from pool.map(lambda key: self.remove_one(key, cutoff), batch)
+            for batch in _batches(candidates, self.BATCH):
+                yield from pool.map(lambda c: self.remove_one(c[0], c[1], cutoff), batch)
 
-    def remove_one(self, key: str, cutoff: float) -> Outcome:
+    def remove_one(self, kind: ObjectKind, digest: Digest, cutoff: float) -> SweepOutcome:
         """Delete one object unless it is gone or was modified at or after ``cutoff``."""
+        key = object_key(kind, digest)
         try:
             info = self.blobs.stat(key)
         except NotFound:
-            return key, "gone", 0
+            return SweepOutcome(kind, digest, "gone")
         if info.mtime >= cutoff:
-            return key, "spared", 0
+            return SweepOutcome(kind, digest, "spared")
         self.blobs.delete(key)
-        return key, "deleted", info.size
+        return SweepOutcome(kind, digest, "deleted", info.size)
 
     def stale_tmp(self, cutoff: float) -> list[tuple[str, int]]:
         """Temp files older than the cutoff (only local stores have them)."""
@@ -106,7 +111,7 @@ class LocalSweeper(Sweeper):
             return 0
         for entry in entries:
             key = entry.name.replace("+", "/")
-            if CHUNK_KEY_RE.fullmatch(key) or MANIFEST_KEY_RE.fullmatch(key):
+            if parse_object_key(key) is not None:
                 restored += self._put_back(Path(entry.path), self.root / key)
         return restored
 
@@ -121,47 +126,28 @@ class LocalSweeper(Sweeper):
         os.unlink(trashed)
         return restored
 
-    def scan(self, prefix: str, pattern: re.Pattern[str]) -> Iterator[tuple[str, int, float]]:
-        # The shard directories directly: a million objects in a few seconds.
-        top = self.root / prefix.rstrip("/")
-        try:
-            shards = [e for e in os.scandir(top) if _SHARD_RE.fullmatch(e.name) and e.is_dir()]
-        except FileNotFoundError:
-            return
-        for shard in shards:
-            with os.scandir(shard.path) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if len(name) != 64 or not name.startswith(shard.name):
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if pattern.fullmatch(f"{prefix}{shard.name}/{name}"):
-                        yield name, st.st_size, st.st_mtime
-
-    def remove_many(self, keys: Iterable[str], cutoff: float) -> Iterator[Outcome]:
+    def remove_many(self, candidates: Iterable[Candidate], cutoff: float) -> Iterator[SweepOutcome]:
         self.trash.mkdir(parents=True, exist_ok=True)
-        yield from super().remove_many(keys, cutoff)
+        yield from super().remove_many(candidates, cutoff)
 
-    def remove_one(self, key: str, cutoff: float) -> Outcome:
+    def remove_one(self, kind: ObjectKind, digest: Digest, cutoff: float) -> SweepOutcome:
+        key = object_key(kind, digest)
         home = os.path.join(self.root, key)
         trashed = os.path.join(self.trash, key.replace("/", "+"))
         # Cheap first look: an object reused since planning is spared without ever leaving its
         # place, so readers of the checkpoint that reused it never miss it.
         try:
             if os.stat(home).st_mtime >= cutoff:
-                return key, "spared", 0
+                return SweepOutcome(kind, digest, "spared")
             os.rename(home, trashed)
         except FileNotFoundError:
-            return key, "gone", 0
+            return SweepOutcome(kind, digest, "gone")
         st = os.stat(trashed)
         if st.st_mtime >= cutoff:
             self._put_back(Path(trashed), Path(home))
-            return key, "spared", 0
+            return SweepOutcome(kind, digest, "spared")
         os.unlink(trashed)
-        return key, "deleted", st.st_size
+        return SweepOutcome(kind, digest, "deleted", st.st_size)
 
     def stale_tmp(self, cutoff: float) -> list[tuple[str, int]]:
         stale = []
@@ -200,7 +186,7 @@ def sweeper_for(blobs: BlobStore) -> Sweeper:
     return Sweeper(blobs)
 
 
-def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
+def _batches(items: Iterable[Candidate], size: int) -> Iterator[list[Candidate]]:
     iterator = iter(items)
     while batch := list(islice(iterator, size)):
         yield batch

@@ -1,8 +1,8 @@
-"""Run layout: run ids and the ref name templates a training run's checkpoints are stored under.
+"""Run names: run ids and the ref name templates a training run's checkpoints are stored under.
 
-Hydra's conventions by default: a run id ``YYYYMMDD_HHmmss_<seed_hex8>`` sorts runs by start time
-and names the master seed; every name below zero-pads steps to 8 digits so lexicographic order is
-chronological order.
+(Not to be confused with ``cas.formats.layout``, where the tensors are inside a file.) By default a
+run id ``YYYYMMDD_HHmmss_<seed_hex8>`` sorts runs by start time and names the master seed, and
+every name below zero-pads steps to 8 digits, so lexicographic order is chronological order.
 """
 
 from __future__ import annotations

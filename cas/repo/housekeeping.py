@@ -1,0 +1,142 @@
+"""The Repository's housekeeping: GC, retention, verification, space accounting, stored settings.
+
+``HousekeepingOperations`` is a base class of ``Repository``. The CLI and the training layer plan
+and run ``cas gc`` and ``cas forget``, verify, measure space and change the settings stored in
+the store's config through these named methods; the work is done by ``cas.retention`` on the
+store's ``Stores`` (objects, refs, maintenance service), never on its blobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from cas.blobstore.base import BlobStore
+from cas.digest import Digest
+from cas.errors import NotFound
+from cas.model.manifest import Manifest
+from cas.objects.chunkio import Progress
+from cas.refs.stores import Stores
+from cas.repo.config import StoreConfig, write_config
+from cas.retention.evictions import eviction_logs, read_evictions
+from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
+from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
+from cas.retention.policy import RETENTION_SECTION, RetentionPolicy
+from cas.retention.space import (
+    StoreStats,
+    Usage,
+    UsageReport,
+    disk_usage,
+    manifest_usage,
+    store_stats,
+    stored_bytes,
+)
+from cas.retention.verify import VerifyReport, verify
+
+
+class HousekeepingOperations:
+    """GC, retention, verification, space accounting and stored settings of a Repository."""
+
+    blobs: BlobStore
+    config: StoreConfig
+    stores: Stores
+
+    # -- settings stored in the store's config -------------------------------------------------
+
+    def update_config(self, section: str, value: Any) -> StoreConfig:
+        """Replace one ``extra`` section of the store's config (None removes it) and write the
+        config durably; return the new config."""
+        self.config = self.config.with_extra(section, value)
+        write_config(self.blobs, self.config)
+        return self.config
+
+    def retention_policy(self) -> RetentionPolicy | None:
+        """The retention policy stored in the store, if any (what a plain ``cas forget`` uses)."""
+        return RetentionPolicy.from_config(self.config.extra)
+
+    def store_retention_policy(self, policy: RetentionPolicy | None) -> None:
+        """Store ``policy`` in the store's config (None removes it)."""
+        self.update_config(RETENTION_SECTION, policy.to_dict() if policy is not None else None)
+
+    def gc_settings(self) -> GCSettings:
+        """The GC grace period and reflog window stored in the store (defaults if none)."""
+        return GCSettings.from_config(self.config.extra)
+
+    def store_gc_settings(self, settings: GCSettings) -> None:
+        """Store the GC defaults ``cas gc`` uses when not told otherwise."""
+        self.update_config(GC_SECTION, settings.to_config())
+
+    # -- garbage collection and retention ------------------------------------------------------
+
+    def plan_gc(
+        self,
+        settings: GCSettings | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+        lock: bool = True,
+    ) -> GCPlan:
+        """What GC would delete now (``cas.retention.gc``); ``plan.execute()`` deletes it.
+
+        ``settings`` default to the stored ones; ``clock`` overrides the store's own clock.
+        """
+        return plan_gc(self.stores, settings or self.gc_settings(), clock=clock, lock=lock)
+
+    def plan_forget(
+        self, policy: RetentionPolicy | None = None, *, now: float | None = None
+    ) -> ForgetPlan:
+        """Which refs ``policy`` (default: the stored one) removes and why; nothing changes
+        until ``plan.execute()`` (``cas.retention.plan``)."""
+        return plan_forget(self.stores, policy or self._stored_policy(), now=now)
+
+    def forget(
+        self, policy: RetentionPolicy | None = None, *, now: float | None = None
+    ) -> ForgetResult:
+        """Plan and execute ``policy`` (default: the stored one): remove the refs it drops.
+
+        Chunks are freed by GC afterwards; ``CheckpointManager`` calls this after each save.
+        """
+        return self.plan_forget(policy, now=now).execute()
+
+    def _stored_policy(self) -> RetentionPolicy:
+        policy = self.retention_policy()
+        if policy is None:
+            raise NotFound("the store has no retention policy (`cas policy set`)")
+        return policy
+
+    def eviction_logs(self) -> list[str]:
+        """Names of the eviction logs retention rules wrote (``cas.retention.evictions``)."""
+        return eviction_logs(self.stores.refs)
+
+    def eviction_log(self, name: str) -> list[dict[str, Any]]:
+        """Every record of the eviction log ``name``, oldest first."""
+        return read_evictions(self.stores.refs, name)
+
+    # -- verification and space ----------------------------------------------------------------
+
+    def verify(
+        self,
+        selectors: Iterable[str] = ("",),
+        *,
+        level: str = "existence",
+        sample_pct: float = 0.0,
+        progress: Progress | None = None,
+    ) -> VerifyReport:
+        """Check the selected refs (all by default) at ``level`` (``structure``, ``existence``,
+        ``sample``, ``full``; ``cas.retention.verify``); never raises for what it finds."""
+        return verify(self.stores, selectors, level=level, sample_pct=sample_pct, progress=progress)
+
+    def disk_usage(self, selector: str = "") -> UsageReport:
+        """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
+        return disk_usage(self.stores, selector)
+
+    def store_stats(self) -> StoreStats:
+        """Object counts, and how much dedup and compression save."""
+        return store_stats(self.stores)
+
+    def manifest_usage(self, manifest: Manifest) -> Usage:
+        """Logical and stored bytes of one checkpoint, with and without its delta bases."""
+        return manifest_usage(self.stores, manifest)
+
+    def stored_bytes(self, digests: Iterable[Digest]) -> int:
+        """Bytes the distinct chunks among ``digests`` occupy in the store (missing ones 0)."""
+        return stored_bytes(self.stores, digests)

@@ -1,0 +1,78 @@
+"""The Repository's transfers: push and pull refs between stores, archive them to a remote.
+
+``TransferOperations`` is a base class of ``Repository``. The CLI moves checkpoints between
+stores through these named methods; ``cas.sync.transfer`` does the work on both sides' ``Stores``
+and ``cas.repo.archive`` adds freeing what was archived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cas.objects.recode import KEEP
+from cas.refs.stores import Stores
+from cas.repo.archive import ArchiveReport, archive
+from cas.repo.config import StoreConfig
+from cas.retention.gc import GCSettings
+from cas.sync.transfer import TransferProgress, TransferReport, pull, push
+
+
+class TransferOperations:
+    """Push, pull and archive of a Repository."""
+
+    stores: Stores
+    config: StoreConfig
+
+    def push(
+        self,
+        remote: TransferOperations,
+        selectors: Sequence[str],
+        *,
+        jobs: int = 16,
+        progress: TransferProgress | None = None,
+        codec: str = KEEP,
+    ) -> TransferReport:
+        """Copy the refs ``selectors`` pick (names, prefixes, globs like ``runs/r1/**``) to
+        ``remote``: only the chunks it lacks, then its refs by compare-and-swap
+        (``cas.sync.transfer``). ``codec`` re-encodes chunks for the remote (``keep``: as
+        stored)."""
+        return push(
+            self.stores, remote.stores, selectors, jobs=jobs, progress=progress, codec=codec
+        )
+
+    def pull(
+        self,
+        remote: TransferOperations,
+        selectors: Sequence[str],
+        *,
+        jobs: int = 16,
+        progress: TransferProgress | None = None,
+        codec: str = KEEP,
+    ) -> TransferReport:
+        """Copy the refs ``selectors`` pick from ``remote`` into this store (as ``push``)."""
+        return pull(
+            self.stores, remote.stores, selectors, jobs=jobs, progress=progress, codec=codec
+        )
+
+    def archive(
+        self,
+        remote: TransferOperations,
+        selectors: Sequence[str],
+        *,
+        jobs: int = 16,
+        progress: TransferProgress | None = None,
+        grace: float = 0.0,
+        codec: str = KEEP,
+    ) -> ArchiveReport:
+        """Push ``selectors`` to ``remote``, remove them here, and free the local chunks no
+        remaining ref needs (``cas.repo.archive``)."""
+        return archive(
+            self.stores,
+            remote.stores,
+            selectors,
+            settings=GCSettings.from_config(self.config.extra),
+            jobs=jobs,
+            progress=progress,
+            grace=grace,
+            codec=codec,
+        )
