@@ -14,7 +14,7 @@ Within a group, newest first:
   meaning: the newest ref of each of the last N hours/days/... that have one). A rule with none
   of these keeps everything the other limits allow.
 - ``max_count`` then removes the oldest unprotected refs until the group has at most that many
-  (protected refs count towards it: Hydra's FIFO-20).
+  (protected refs count towards it, so a FIFO of 20 holds 20 refs, gates included).
 
 Finally ``max_total_bytes`` (the store-wide budget) removes kept, unprotected refs, lowest
 ``budget_priority`` first and oldest first within it, until what the remaining refs reach fits.

@@ -1,9 +1,10 @@
 """Is a checkpoint compatible with this run? Config hashes at resume, strict key sets at phase
 transitions.
 
-Cobre refuses to resume under a changed config; Hydra loads gate checkpoints strictly at phase
-transitions, where a key mismatch means a code bug and must fail loudly. Both checks live here so
-the errors read the same wherever a checkpoint is loaded.
+Resuming under a changed config silently trains a different experiment, so resume refuses it;
+at a phase transition a key mismatch between the model and its gate checkpoint means a code bug
+and must fail loudly. Both checks live here so the errors read the same wherever a checkpoint is
+loaded.
 """
 
 from __future__ import annotations

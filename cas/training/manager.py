@@ -1,6 +1,6 @@
 """CheckpointManager: a training run's periodic, signal and final saves, latest/best/gates, and resume.
 
-Refs follow Hydra's layout by default (``Layout`` changes it)::
+Refs follow a run-id, phase and step layout by default (``Layout`` changes it)::
 
     runs/<YYYYMMDD_HHmmss>_<seed_hex8>/phase<N>/ckpt_phase<N>_step<08d>   one per save
     runs/<id>/latest              the newest save of the run (its history lists every save)

@@ -67,7 +67,7 @@ class PoolEntry:
 
     @property
     def conservative_rating(self) -> float | None:
-        """``mu - 3 sigma`` (Hydra's "best" metric for league phases)."""
+        """``mu - 3 sigma``: a conservative rating that ranks an opponent by what it surely achieves."""
         if self.mu is None or self.sigma is None:
             return None
         return self.mu - 3 * self.sigma
