@@ -119,7 +119,7 @@ def main() -> None:
     )
 
     run_chunks = {d for r in repo.refs(run) for d in repo.manifest(r.target).chunk_digests()}
-    stored = sum(repo.objects.stored_size(d) for d in run_chunks)
+    stored = repo.stored_bytes(run_chunks)
     print(f"\nrefs under {run}:")
     for record in repo.refs(run):
         print(f"  {record.target[:12]}  {record.name}")
