@@ -31,6 +31,7 @@ listing, so blobs written by other processes are seen at once, as the contract a
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import uuid
@@ -55,6 +56,8 @@ from cas.digest import digest_of
 from cas.errors import BackendError, NotFound, PreconditionFailed, TransientBackendError
 
 TMP_DIR = "tmp"
+_READS = frozenset({"get", "get_range", "stat"})
+"""Operations for which a key too long to be a file name is simply not there."""
 """Temporary files for rename-based puts; never listed as blobs."""
 
 RENAME_ATOMIC_PROTOCOLS = frozenset({"file", "local", "sftp", "ssh", "hdfs", "arrow_hdfs"})
@@ -120,6 +123,8 @@ class FsspecBlobStore(BlobStore):
         except (TimeoutError, ConnectionError) as e:
             raise TransientBackendError(f"{op} {key!r} in {self.url}: {e}") from e
         except OSError as e:
+            if e.errno == errno.ENAMETOOLONG and op in _READS:
+                raise NotFound(f"no blob {key!r} in {self.url}: no file can have that name") from e
             raise BackendError(f"{op} {key!r} in {self.url}: {e}") from e
 
     def get(self, key: str) -> bytes:

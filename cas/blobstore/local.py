@@ -78,6 +78,8 @@ class LocalBlobStore(BlobStore):
         except _MISSING as e:
             raise NotFound(f"no blob {key!r}") from e
         except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                raise NotFound(f"no blob {key!r}: no file can have that name") from e
             raise BackendError(f"reading {path}: {e.strerror}") from e
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -243,7 +245,7 @@ class LocalBlobStore(BlobStore):
                     if entry.is_dir(follow_symlinks=False):
                         if (rel + "/").startswith(prefix) or prefix.startswith(rel + "/"):
                             stack.append(Path(entry.path))
-                    elif rel.startswith(prefix) and not entry.name.endswith(".tmp"):
+                    elif rel.startswith(prefix):  # temp files live only in tmp/
                         if with_stat:
                             try:
                                 st = entry.stat()

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +78,14 @@ class CASGroup(click.Group):
             _fail("interrupted", code=130)
         except BrokenPipeError:
             sys.exit(0)
+
+
+def warn_damaged(damaged: Iterable[object]) -> None:
+    """One ``cas: warning:`` line on stderr per damaged ref a listing left out or could not
+    describe; a listing shows everything else and still exits 0."""
+    for item in damaged:
+        text = str(item).splitlines()[0] if str(item) else "damaged"
+        click.echo(f"cas: warning: cannot read {text}", err=True)
 
 
 def _fail(message: str, code: int = EXIT_PROBLEM) -> None:

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, human_bytes, json_option, pass_ctx, progress_bar
+from cas.cli.app import (
+    Context,
+    cli,
+    emit_json,
+    human_bytes,
+    json_option,
+    pass_ctx,
+    progress_bar,
+    warn_damaged,
+)
 
 
 def _when(ts: float) -> str:
@@ -184,34 +194,46 @@ def get(
 @json_option
 @pass_ctx
 def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
-    """List refs under PREFIX (a prefix like runs/r1, or a glob like 'runs/*/phase2/**')."""
+    """List refs under PREFIX (a prefix like runs/r1, or a glob like 'runs/*/phase2/**').
+
+    A ref whose record or manifest cannot be read is named in a warning on stderr and the rest
+    are listed; the exit status stays 0 (`cas verify` fails on it).
+    """
+    from cas.errors import CASError
+
     repo = obj.open(create=False, readonly=True)
-    records = repo.refs(prefix)
+    listing = repo.list_refs(prefix)
+    warnings = [str(d) for d in listing.damaged]
     rows = []
-    for record in records:
+    for record in listing.records:
         row: dict[str, Any] = {
             "ref": record.name,
             "manifest": record.target,
             "updated": record.history[-1].time,
         }
         if long_ or as_json:
-            manifest = repo.manifest(record.target)
-            row.update(
-                kind=manifest.kind, logical_bytes=manifest.logical_bytes(), meta=manifest.meta
-            )
+            try:
+                manifest = repo.manifest(record.target)
+            except CASError as e:
+                row["error"] = f"manifest {record.target[:16]}: {e}"
+                warnings.append(f"{record.name}: {row['error']}")
+            else:
+                row.update(
+                    kind=manifest.kind, logical_bytes=manifest.logical_bytes(), meta=manifest.meta
+                )
         rows.append(row)
     if as_json:
         emit_json(rows)
-        return
-    for row in rows:
+    for row in [] if as_json else rows:
         if long_:
-            step = row["meta"].get("step", "")
-            size = human_bytes(row["logical_bytes"])
+            step = row["meta"].get("step", "") if "meta" in row else ""
+            size = human_bytes(row["logical_bytes"]) if "logical_bytes" in row else "?"
             click.echo(
                 f"{row['manifest'][:12]}  {_when(row['updated'])}  {size:>10}  {step!s:>8}  {row['ref']}"
             )
         else:
             click.echo(row["ref"])
+    warn_damaged(warnings)
 
 
 @cli.command()
@@ -261,9 +283,23 @@ def show(obj: Context, ref: str, as_json: bool) -> None:
 @json_option
 @pass_ctx
 def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
-    """History of REF, newest first (REF~N addresses entry N)."""
+    """History of REF, newest first (REF~N addresses entry N).
+
+    If part of the history cannot be read (a damaged sealed segment), the events before it are
+    shown, then one warning line, and the exit status is 1.
+    """
+    from cas.errors import CASError
+    from cas.refs.store import RefEvent
+
     repo = obj.open(create=False, readonly=True)
-    events = repo.log(ref, max_count)
+    events: list[RefEvent] = []
+    damage: CASError | None = None
+    history = repo.ref_events(ref)
+    try:
+        for event in itertools.islice(history, max_count):
+            events.append(event)
+    except CASError as error:
+        damage = error
     if as_json:
         emit_json(
             [
@@ -271,9 +307,12 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
                 for i, e in enumerate(events)
             ]
         )
-        return
-    for i, e in enumerate(events):
-        click.echo(f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}")
+    else:
+        for i, e in enumerate(events):
+            click.echo(f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}")
+    if damage is not None:
+        warn_damaged([f"older history of {ref}: {damage}"])
+        sys.exit(1)
 
 
 @cli.command()

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, human_bytes, json_option, pass_ctx
+from cas.cli.app import Context, cli, emit_json, human_bytes, json_option, pass_ctx, warn_damaged
 
 
 def _parsed(parse: Callable[[str], Any], value: str | None) -> Any:
@@ -117,9 +117,11 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
 
     logical: bytes a reader gets back; stored: bytes on storage; exclusive: freed if the
     selection were removed (then `cas gc`); shared: stored bytes other refs also need.
+    A ref whose record or manifest cannot be read is named on stderr and not counted.
     """
     repo = obj.open(create=False, readonly=True)
     report = repo.disk_usage(selector)
+    warn_damaged(f"{d} (not counted)" for d in report.damaged)
     if as_json:
         emit_json(report.to_dict())
         return
@@ -143,9 +145,13 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
 @json_option
 @pass_ctx
 def stats(obj: Context, as_json: bool) -> None:
-    """Chunk, manifest and ref counts, and how much dedup and compression save."""
+    """Chunk, manifest and ref counts, and how much dedup and compression save.
+
+    A ref whose record or manifest cannot be read is named on stderr and not counted.
+    """
     repo = obj.open(create=False, readonly=True)
     s = repo.store_stats()
+    warn_damaged(f"{d} (not counted)" for d in s.damaged)
     if as_json:
         emit_json(s.to_dict())
         return

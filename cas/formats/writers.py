@@ -172,9 +172,11 @@ def _standalone_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.
 def _atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
     final = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(final))
-    temp = os.path.join(directory, f".{os.path.basename(final)}.{secrets.token_hex(8)}.tmp")
+    # Short, so that any file name the filesystem takes can be written; O_NOFOLLOW and the
+    # rename never write through a link planted under either name.
+    temp = os.path.join(directory, f".cas-{secrets.token_hex(8)}.tmp")
     # Created by os.open with 0o666 so the umask applies, unlike mkstemp's 0o600.
-    os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
     try:
         write(temp)
         _fsync(temp, os.O_RDONLY)

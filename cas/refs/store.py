@@ -19,10 +19,9 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
-from urllib.parse import quote, unquote
 
 import msgpack
 
@@ -34,6 +33,13 @@ from cas.model.manifest import Manifest, decode_manifest, encode_manifest
 from cas.names import RefName, parse_ref_name, ref_matches
 from cas.objects.store import ObjectStore
 from cas.refs import segments
+from cas.refs.keys import (
+    is_hashed_key,
+    legacy_key,
+    listing_prefix,
+    name_in_key,
+    ref_key,
+)
 from cas.refs.leases import LeaseManager
 
 REF_FORMAT = "cas-ref"
@@ -41,7 +47,6 @@ REF_VERSION = 1
 """Records without sealed history are written as version 1, which older readers understand."""
 REF_VERSION_SEALED = 2
 """Records that list sealed history segments: an older reader refuses them rather than lose history."""
-REFS_PREFIX = "refs/"
 MAX_HISTORY = 10_000
 """History is append-only; past this many events, whole sealed segments are dropped oldest first
 (at sealing time, so a ref keeps fewer than ``MAX_HISTORY + 2 * SEAL_EVENTS``)."""
@@ -104,6 +109,9 @@ class RefRecord:
     version: Version | None = None
     """The blob version this record was read at; compare-and-swap uses it."""
     sealed: tuple[SealedHistory, ...] = ()
+    legacy_key: str | None = field(default=None, compare=False)
+    """Set when the record was read from the key an older cas gave a long name
+    (``cas.refs.keys.legacy_key``); the next update moves it to its current key."""
 
     @property
     def depth(self) -> int:
@@ -119,18 +127,31 @@ class ScannedRef:
     """Where the record is stored, for messages about a ref whose name cannot be read."""
     record: RefRecord | None
     error: CASError | None = None
+    name: RefName | None = None
+    """The ref's name when it is known (from the record, or from the key of a damaged one)."""
+
+    @property
+    def label(self) -> str:
+        """The ref's name, or its blob key when the name cannot be read, for messages."""
+        return self.name or self.key
 
 
-def ref_key(name: RefName) -> str:
-    """The blob key of a ref: one flat directory, '/' escaped, so no name shadows another."""
-    return REFS_PREFIX + quote(name, safe="")
-
-
-def _name_from_key(key: str) -> RefName | None:
+def _decode_at(key: str, data: bytes, version: Version | None) -> RefRecord:
+    """The record stored under ``key``, whose name the key spells or (hashed keys) holds."""
+    if not is_hashed_key(key):
+        return decode_ref(name_in_key(key), data, version)
+    if len(data) > MAX_REF_BLOB:
+        raise FormatError(f"ref blob {key!r} is larger than {MAX_REF_BLOB} bytes")
     try:
-        return parse_ref_name(unquote(key[len(REFS_PREFIX) :]))
-    except Exception:
-        return None
+        doc: Any = msgpack.unpackb(data, raw=False)
+        name = parse_ref_name(doc["name"])
+    except CASError:
+        raise
+    except Exception as e:
+        raise FormatError(f"ref blob {key!r} is corrupt: {e}") from e
+    if ref_key(name) != key:
+        raise FormatError(f"ref blob {key!r} holds the record of another ref, {name!r}")
+    return decode_ref(name, data, version)
 
 
 def encode_ref(record: RefRecord) -> bytes:
@@ -228,15 +249,33 @@ class RefStore:
     def get(self, name: str) -> RefRecord:
         """The current record of a ref; NotFound if there is none."""
         ref = parse_ref_name(name)
+        key = ref_key(ref)
         try:
-            data, version = self.blobs.get_versioned(ref_key(ref))
+            data, version = self.blobs.get_versioned(key)
         except NotFound:
-            self._decoded.pop(ref, None)
-            raise NotFound(f"no ref named {ref!r}") from None
+            record = self._get_legacy(ref)
+            if record is None:
+                self._decoded.pop(ref, None)
+                raise NotFound(f"no ref named {ref!r}") from None
+            return record
         known = self._decoded.get(ref)
-        if known is not None and known.version == version:
+        if known is not None and known.version == version and known.legacy_key is None:
             return known
-        return self._remember(decode_ref(ref, data, version))
+        record = _decode_at(key, data, version)
+        if record.name != ref:
+            raise FormatError(f"ref blob {key!r} holds the record of another ref, {record.name!r}")
+        return self._remember(record)
+
+    def _get_legacy(self, ref: RefName) -> RefRecord | None:
+        """A long name's record where an older cas stored it, or None."""
+        key = legacy_key(ref)
+        if key is None:
+            return None
+        try:
+            data, version = self.blobs.get_versioned(key)
+        except NotFound:
+            return None
+        return replace(decode_ref(ref, data, version), legacy_key=key)
 
     def _remember(self, record: RefRecord) -> RefRecord:
         if len(self._decoded) >= DECODED_REFS and record.name not in self._decoded:
@@ -252,19 +291,30 @@ class RefStore:
             return None
 
     def names(self, selector: str = "") -> Iterator[RefName]:
-        """Ref names selected by a prefix, exact name or glob, sorted."""
-        literal = selector.split("*")[0].split("?")[0].split("[")[0]
-        key_prefix = REFS_PREFIX + quote(literal, safe="")
-        found = []
-        for key in self.blobs.list(key_prefix):
-            name = _name_from_key(key)
+        """Ref names selected by a prefix, exact name or glob, sorted.
+
+        Names are read from keys; only a name too long for its key (``cas.refs.keys``) is read
+        from its record, and left out when that record is damaged (``scan`` reports it).
+        """
+        found = set()
+        for key in self._keys(selector):
+            if is_hashed_key(key):
+                scanned = self._scan_key(key)
+                name = scanned.record.name if scanned and scanned.record else None
+            else:
+                name = _plain_name(key)
             if name is not None and ref_matches(name, selector):
-                found.append(name)
+                found.add(name)
         yield from sorted(found)
+
+    def _keys(self, selector: str) -> list[str]:
+        literal = selector.split("*")[0].split("?")[0].split("[")[0]
+        return list(self.blobs.list(listing_prefix(literal)))
 
     def records(self, selector: str = "") -> list[RefRecord]:
         """Records of the refs a prefix, exact name or glob selects, sorted by name; a ref
-        removed since the listing is left out."""
+        removed since the listing is left out. A damaged record raises: ``scan`` lists the
+        others and reports it."""
         found = []
         for name in self.names(selector):
             record = self.try_get(name)
@@ -272,29 +322,43 @@ class RefStore:
                 found.append(record)
         return found
 
-    def scan(self, workers: int = 16) -> list[ScannedRef]:
-        """Every ref blob in the store, read and decoded ``workers`` at a time.
+    def scan(self, selector: str = "", workers: int = 16) -> list[ScannedRef]:
+        """The ref blobs ``selector`` (prefix, exact name or glob) selects, read and decoded
+        ``workers`` at a time, sorted by name.
 
         Unlike ``names``, nothing is skipped quietly: a blob whose key names no valid ref, or
         whose record is damaged, is reported with its error, so a caller that must see every
-        ref (GC, which could otherwise delete what a damaged ref protects) can refuse. A ref
-        removed since the listing is left out: it protects nothing any more.
+        ref (GC, which could otherwise delete what a damaged ref protects) can refuse, and a
+        listing can show every other ref and say which one it could not read. A damaged blob
+        whose name is unknown is reported by every selector whose listing reaches its key. A
+        ref removed since the listing is left out: it protects nothing any more.
         """
-        keys = list(self.blobs.list(REFS_PREFIX))
-
-        def read(key: str) -> ScannedRef | None:
-            try:
-                ref = parse_ref_name(unquote(key[len(REFS_PREFIX) :]))
-                data, version = self.blobs.get_versioned(key)
-                return ScannedRef(key, decode_ref(ref, data, version))
-            except NotFound:
-                return None
-            except CASError as e:
-                return ScannedRef(key, None, e)
-
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="cas-refs") as pool:
-            found = [r for r in pool.map(read, keys) if r is not None]
-        return sorted(found, key=lambda r: r.key)
+            found = [r for r in pool.map(self._scan_key, self._keys(selector)) if r is not None]
+        chosen: dict[str, ScannedRef] = {}
+        for scanned in found:
+            if scanned.name is not None and not ref_matches(scanned.name, selector):
+                continue
+            label = scanned.label
+            other = chosen.get(label)
+            # A long name an older cas stored, and moved by this one, may briefly have both
+            # keys: the current key wins.
+            if other is None or scanned.key == ref_key(RefName(label)):
+                chosen[label] = scanned
+        return sorted(chosen.values(), key=lambda r: r.label)
+
+    def _scan_key(self, key: str) -> ScannedRef | None:
+        name = None if is_hashed_key(key) else _plain_name(key)
+        try:
+            data, version = self.blobs.get_versioned(key)
+            record = _decode_at(key, data, version)
+        except NotFound:
+            return None
+        except CASError as e:
+            return ScannedRef(key, None, e, name)
+        if record.name == name and key != ref_key(record.name):
+            record = replace(record, legacy_key=key)
+        return ScannedRef(key, record, None, record.name)
 
     def update(
         self,
@@ -357,15 +421,23 @@ class RefStore:
 
     def _write_record(self, record: RefRecord, current: RefRecord | None) -> RefRecord:
         self._fence()
-        version = self.blobs.put_conditional(
-            ref_key(record.name), encode_ref(record), current.version if current else None
-        )
+        record = replace(record, legacy_key=None)
+        if current is not None and current.legacy_key is not None:
+            # Create the current key, then drop the old one; a crash in between leaves both,
+            # and the current key wins every read.
+            version = self.blobs.put_conditional(ref_key(record.name), encode_ref(record), None)
+            assert current.version is not None
+            self.blobs.delete_conditional(current.legacy_key, current.version)
+        else:
+            version = self.blobs.put_conditional(
+                ref_key(record.name), encode_ref(record), current.version if current else None
+            )
         return self._remember(replace(record, version=version))
 
     def _delete_record(self, current: RefRecord) -> None:
         self._fence()
         assert current.version is not None
-        self.blobs.delete_conditional(ref_key(current.name), current.version)
+        self.blobs.delete_conditional(current.legacy_key or ref_key(current.name), current.version)
         self._decoded.pop(current.name, None)
 
     def set(
@@ -495,6 +567,13 @@ class RefStore:
 
         self.update(ref, remove, op="delete")
         return removed[-1]
+
+
+def _plain_name(key: str) -> RefName | None:
+    try:
+        return name_in_key(key)
+    except CASError:
+        return None
 
 
 def _short(target: object) -> str:

@@ -17,6 +17,7 @@ from cas.digest import Digest, parse_digest
 from cas.errors import InvalidName, NotFound
 from cas.names import RefName
 from cas.refs.leases import LeaseManager, WriterLease, leased
+from cas.refs.listing import RefListing, list_refs
 from cas.refs.log import AppendLog
 from cas.refs.maintenance import LeaseStatus, LockHolder, MaintenanceService
 from cas.refs.store import UPDATE_ATTEMPTS, RefEvent, RefRecord, RefStore, UpdateFn
@@ -60,6 +61,11 @@ class RefOperations:
     def refs(self, prefix: str = "") -> list[RefRecord]:
         """Refs selected by prefix, exact name or glob (``runs/r1/**``), sorted by name."""
         return self.refs_store.records(prefix)
+
+    def list_refs(self, selector: str = "") -> RefListing:
+        """Every ref ``selector`` picks that can be read, and each one that cannot, with why:
+        for listings that must not let one damaged ref hide the rest."""
+        return list_refs(self.refs_store, selector)
 
     def ref_events(self, ref: str | RefRecord) -> Iterator[RefEvent]:
         """The ref's whole history, newest first, read lazily (sealed segments only if reached)."""

@@ -25,6 +25,7 @@ from cas.errors import CASError
 from cas.model.manifest import Manifest, decode_manifest
 from cas.names import ref_matches
 from cas.objects.keys import ObjectKind
+from cas.refs.listing import DamagedRef, list_refs
 from cas.refs.store import RefRecord
 from cas.refs.stores import Stores
 
@@ -64,21 +65,34 @@ def read_manifest(stores: Stores, digest: Digest, context: str) -> Manifest:
         raise type(e)(f"{context}: manifest {digest[:16]}: {e}") from e
 
 
-def read_contents(stores: Stores, records: Sequence[RefRecord]) -> list[RefContent]:
-    """The content of each ref (each distinct manifest is read once, in parallel)."""
+def read_contents(
+    stores: Stores, records: Sequence[RefRecord], damaged: list[DamagedRef] | None = None
+) -> list[RefContent]:
+    """The content of each ref (each distinct manifest is read once, in parallel).
+
+    A manifest that cannot be read raises, unless ``damaged`` is given: then each ref naming it
+    is appended there and left out, so one damaged manifest hides nothing else.
+    """
     targets = sorted({r.target for r in records})
     owner = {r.target: r.name for r in reversed(records)}
-    manifests = dict(
-        zip(
-            targets,
-            stores.pool.map(lambda d: read_manifest(stores, d, f"ref {owner[d]!r}"), targets),
-            strict=True,
-        )
-    )
+
+    def read(digest: Digest) -> Manifest | CASError:
+        if damaged is None:
+            return read_manifest(stores, digest, f"ref {owner[digest]!r}")
+        try:
+            return decode_manifest(stores.objects.get_manifest(digest))
+        except CASError as e:
+            return e
+
+    manifests = dict(zip(targets, stores.pool.map(read, targets), strict=True))
     summaries: dict[Digest, tuple[frozenset[ObjectId], dict[Digest, int]]] = {}
     out = []
     for record in records:
         manifest = manifests[record.target]
+        if isinstance(manifest, CASError):
+            assert damaged is not None
+            damaged.append(DamagedRef(record.name, f"manifest {record.target[:16]}: {manifest}"))
+            continue
         if record.target not in summaries:
             decoded = {ref.digest: ref.size for ref in manifest.chunk_refs()}
             named: set[ObjectId] = {(ObjectKind.MANIFEST, record.target)}
@@ -97,6 +111,15 @@ def read_contents(stores: Stores, records: Sequence[RefRecord]) -> list[RefConte
             )
         )
     return out
+
+
+def readable_contents(stores: Stores) -> tuple[list[RefContent], tuple[DamagedRef, ...]]:
+    """The content of every ref that can be read, and every ref whose record or manifest
+    cannot (for reports that must not let one damaged ref hide the rest)."""
+    listing = list_refs(stores.refs)
+    damaged = list(listing.damaged)
+    contents = read_contents(stores, listing.records, damaged)
+    return contents, tuple(sorted(damaged, key=lambda d: d.ref))
 
 
 class Accounting:
@@ -153,6 +176,9 @@ class UsageReport:
     stored_bytes: int
     exclusive_bytes: int
     missing_objects: int
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest could not be read: not counted. Objects only they name
+    count as exclusive to the selection, so exclusive bytes may be overstated."""
 
     @property
     def shared_bytes(self) -> int:
@@ -169,12 +195,14 @@ class UsageReport:
             "shared_bytes": self.shared_bytes,
             "missing_objects": self.missing_objects,
             "refs": [u.__dict__ for u in self.refs],
+            "damaged": [d.to_dict() for d in self.damaged],
         }
 
 
 def disk_usage(stores: Stores, selector: str = "") -> UsageReport:
-    """Logical, stored, exclusive (freed if the selection were removed) and shared bytes."""
-    contents = read_contents(stores, stores.refs.records())
+    """Logical, stored, exclusive (freed if the selection were removed) and shared bytes of
+    the refs that can be read; the damaged ones are reported, not counted."""
+    contents, damaged = readable_contents(stores)
     selected = [c for c in contents if ref_matches(c.name, selector)]
     union = {o for c in selected for o in c.objects}
     accounting = Accounting(stores.objects.stored_sizes(union), contents)
@@ -197,6 +225,7 @@ def disk_usage(stores: Stores, selector: str = "") -> UsageReport:
         accounting.bytes_of(union),
         exclusive,
         len(union - accounting.sizes.keys()),
+        damaged,
     )
 
 
@@ -215,6 +244,9 @@ class StoreStats:
     """Decoded bytes of the distinct chunks refs reach."""
     logical_bytes: int
     """What every ref would take as an independent copy."""
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest could not be read: not counted, and what only they name
+    counts as unreachable."""
 
     @property
     def dedup_ratio(self) -> float:
@@ -237,6 +269,7 @@ class StoreStats:
         """Plain data for ``--json``."""
         return {
             **self.__dict__,
+            "damaged": [d.to_dict() for d in self.damaged],
             "dedup_ratio": round(self.dedup_ratio, 4),
             "compression_ratio": round(self.compression_ratio, 4),
             "unreachable_bytes": self.unreachable_bytes,
@@ -244,8 +277,9 @@ class StoreStats:
 
 
 def store_stats(stores: Stores) -> StoreStats:
-    """Count chunks and manifests, and the dedup and compression ratios of what refs reach."""
-    contents = read_contents(stores, stores.refs.records())
+    """Count chunks and manifests, and the dedup and compression ratios of what the readable
+    refs reach; the damaged ones are reported, not counted."""
+    contents, damaged = readable_contents(stores)
     decoded: dict[Digest, int] = {}
     named: set[ObjectId] = set()
     for content in contents:
@@ -272,6 +306,7 @@ def store_stats(stores: Stores) -> StoreStats:
         reachable_stored_bytes=reachable_bytes,
         unique_bytes=sum(decoded.values()),
         logical_bytes=sum(c.logical_bytes for c in contents),
+        damaged=damaged,
     )
 
 

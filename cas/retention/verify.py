@@ -17,6 +17,7 @@ from cas.errors import CASError, FormatError, IntegrityError, NotFound
 from cas.model.manifest import Manifest, decode_manifest
 from cas.objects.chunkio import Progress
 from cas.objects.keys import ObjectKind
+from cas.refs.listing import list_refs
 from cas.refs.stores import Stores
 
 SAMPLE_STATE = "verify-sample.json"
@@ -71,17 +72,18 @@ def verify(
         raise ValueError(f"unknown verify level {level!r}")
     report = VerifyReport()
     refs = stores.refs
-    names = sorted({n for s in selectors for n in refs.names(s)})
+    # Every ref blob is read, so a damaged one, even one whose name cannot be read, is a problem.
+    listings = [list_refs(refs, s) for s in selectors]
+    records = {r.name: r for listing in listings for r in listing.records}
+    damaged = {d.ref: d for listing in listings for d in listing.damaged}
     sample_start = _sample_start(stores) if level == "sample" else 0.0
     owners: dict[Digest, str] = {}
     seen_manifests: set[Digest] = set()
-    for name in names:
+    for bad in sorted(damaged.values(), key=lambda d: d.ref):
         report.refs += 1
-        try:
-            record = refs.get(name)
-        except CASError as e:
-            report.problems.append(Problem(name, "bad-ref", str(e)))
-            continue
+        report.problems.append(Problem(bad.ref, "bad-ref", bad.error))
+    for name, record in sorted(records.items()):
+        report.refs += 1
         for sealed in record.sealed:
             try:
                 refs.segment(record, sealed)

@@ -33,6 +33,7 @@ from cas.blobstore.base import BlobStore
 from cas.blobstore.bulk import has_many, read_into, touch_many
 from cas.blobstore.wrapper import WRITE_METHODS
 from cas.errors import InvalidName, NotFound, PreconditionFailed, ReadOnlyError
+from cas.refs.keys import HASH_MARK, HASHED_HEAD, MAX_PLAIN_NAME, REFS_PREFIX
 
 MiB = 1 << 20
 INVALID_KEYS = ("../x", "/abs", "a//b", "a\x00b", "", "a/", "./x", "a/../b")
@@ -163,6 +164,18 @@ class BlobStoreReadConformance(abc.ABC):
         assert list(store.list("nothing/")) == []
         listed = list(store.list())
         assert len(listed) == len(set(listed))  # each blob once
+
+    def test_every_shape_of_ref_key_is_stored_and_listed(self, store: BlobStore) -> None:
+        # The longest plain ref key, a long name's hashed key and a name a temp file could have.
+        keys = {
+            REFS_PREFIX + "a" * MAX_PLAIN_NAME,
+            REFS_PREFIX + "b%40" * (HASHED_HEAD // 4) + HASH_MARK + "c" * 64,
+            REFS_PREFIX + "x.tmp",
+        }
+        for key in keys:
+            self.writer(store).put(key, key.encode())
+        assert set(store.list(REFS_PREFIX)) == keys
+        assert all(store.get(key) == key.encode() for key in keys)
 
     def test_list_info_reports_every_size(self, store: BlobStore) -> None:
         sizes = {"chunks/a": 0, "chunks/b": 1, "chunks/c": 1000, "other/d": 5}
