@@ -215,6 +215,10 @@ class StoreStats:
     """Decoded bytes of the distinct chunks refs reach."""
     logical_bytes: int
     """What every ref would take as an independent copy."""
+    quarantined_objects: int = 0
+    """Chunks and manifests found corrupt and moved aside (``cas.objects.quarantine``)."""
+    quarantined_bytes: int = 0
+    """What the quarantine area holds (the bytes as found, and their records)."""
 
     @property
     def dedup_ratio(self) -> float:
@@ -262,6 +266,7 @@ def store_stats(stores: Stores) -> StoreStats:
     for stored in stores.objects.list_objects(ObjectKind.MANIFEST):
         manifests += 1
         manifest_bytes += stored.size
+    quarantine = stores.objects.quarantine.summary()
     return StoreStats(
         refs=len(contents),
         manifests=manifests,
@@ -272,6 +277,8 @@ def store_stats(stores: Stores) -> StoreStats:
         reachable_stored_bytes=reachable_bytes,
         unique_bytes=sum(decoded.values()),
         logical_bytes=sum(c.logical_bytes for c in contents),
+        quarantined_objects=quarantine.objects,
+        quarantined_bytes=quarantine.stored_bytes,
     )
 
 
