@@ -16,7 +16,6 @@ from cas.digest import Digest
 from cas.errors import NotFound
 from cas.model.manifest import Manifest
 from cas.objects.chunkio import Progress
-from cas.objects.quarantine import QuarantineSummary
 from cas.refs.stores import Stores
 from cas.repo.config import StoreConfig, write_config
 from cas.retention.evictions import eviction_logs, read_evictions
@@ -137,10 +136,6 @@ class HousekeepingOperations:
         """Verify the selected refs in full and copy every missing or corrupt object from
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
-
-    def quarantine_summary(self) -> QuarantineSummary:
-        """How many objects were found corrupt and moved aside (``cas.objects.quarantine``)."""
-        return self.stores.objects.quarantine.summary()
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
