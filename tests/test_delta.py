@@ -215,11 +215,11 @@ def _absent_at_first_look(monkeypatch: pytest.MonkeyPatch, keys: set[str]) -> No
     looked: set[str] = set()
     lock = threading.Lock()
 
-    def stored_base(self: ObjectStore, key: str) -> tuple[bool, Digest | None]:
+    def stored_base(self: ObjectStore, key: str, size: int) -> tuple[bool, Digest | None]:
         with lock:
             first = key in keys and key not in looked
             looked.add(key)
-        return (False, None) if first else real(self, key)
+        return (False, None) if first else real(self, key, size)
 
     monkeypatch.setattr(ObjectStore, "_stored_base", stored_base)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -121,7 +122,8 @@ def test_gc_refuses_and_deletes_nothing_when_a_ref_or_manifest_cannot_be_read(
     path.write_bytes(original[:-3] + b"xyz")
     with pytest.raises(IntegrityError, match=r"gc refused, nothing deleted: ref 'bad'"):
         repo.plan_gc(settings_)
-    path.unlink()
+    assert not path.exists()  # the read that found it corrupt moved it into quarantine
+    shutil.rmtree(local_root(repo) / "quarantine")  # now it is merely missing
     with pytest.raises(NotFound, match="names a missing manifest"):
         repo.plan_gc(settings_)
     path.write_bytes(original)

@@ -374,7 +374,7 @@ def diff(obj: Context, a: str, b: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("refs", nargs=-1)
-@click.option("--full", is_flag=True, help="Re-read and re-hash every chunk.")
+@click.option("--full", is_flag=True, help="Re-read and re-hash every chunk, and check its size.")
 @click.option(
     "--sample",
     type=click.FloatRange(0, 100, min_open=True),
@@ -382,36 +382,95 @@ def diff(obj: Context, a: str, b: str, as_json: bool) -> None:
     metavar="PCT",
     help="Re-hash a rotating PCT% of chunks.",
 )
+@click.option(
+    "--repair-from",
+    "repair_url",
+    default=None,
+    metavar="URL",
+    help="Copy good copies of missing or corrupt objects from this store (implies --full).",
+)
 @json_option
 @pass_ctx
 def verify(
-    obj: Context, refs: tuple[str, ...], full: bool, sample: float | None, as_json: bool
+    obj: Context,
+    refs: tuple[str, ...],
+    full: bool,
+    sample: float | None,
+    repair_url: str | None,
+    as_json: bool,
 ) -> None:
-    """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem."""
-    repo = obj.open(create=False, readonly=not sample)
+    """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem.
+
+    --full and --sample move what they find corrupt into the store's quarantine, so the next
+    save of the same data writes it again; --repair-from restores it from another store.
+    """
+    if repair_url is not None:
+        _verify_and_repair(obj, refs, repair_url, as_json)
+        return
+    repo = obj.open(create=False, readonly=not (sample or full))
     level = "full" if full else "sample" if sample else "existence"
     with progress_bar(obj, None, "verify") as update:
         report = repo.verify(refs or ("",), level=level, sample_pct=sample or 0.0, progress=update)
     if as_json:
+        emit_json({"ok": report.ok, "level": level, **_verify_dict(report)})
+    else:
+        _print_verify(report)
+    if not report.ok:
+        sys.exit(1)
+
+
+def _verify_dict(report: Any) -> dict[str, Any]:
+    return {
+        "refs": report.refs,
+        "manifests": report.manifests,
+        "chunks": report.chunks,
+        "rehashed_chunks": report.rehashed_chunks,
+        "rehashed_bytes": report.rehashed_bytes,
+        "quarantined": report.quarantined,
+        "problems": [{**p.__dict__, "refs": list(p.refs)} for p in report.problems],
+        "broken_refs": report.broken_refs(),
+    }
+
+
+def _print_verify(report: Any) -> None:
+    for problem in report.problems:
+        click.echo(f"PROBLEM {problem}", err=True)
+    quarantined = f", {report.quarantined} quarantined" if report.quarantined else ""
+    click.echo(
+        f"{'ok' if report.ok else 'FAILED'}: {report.refs} refs, {report.manifests} manifests, "
+        f"{report.chunks} chunks present-checked, {report.rehashed_chunks} re-hashed "
+        f"({human_bytes(report.rehashed_bytes)}), {len(report.problems)} problems{quarantined}"
+    )
+
+
+def _verify_and_repair(obj: Context, refs: tuple[str, ...], url: str, as_json: bool) -> None:
+    """``verify --full --repair-from URL``: heal from another store, report what stays broken."""
+    repo = obj.open(create=False)
+    source = obj.open_url(url, create=False, readonly=True)
+    with progress_bar(obj, None, "verify") as update:
+        result = repo.repair_from(source, refs or ("",), progress=update)
+    if as_json:
         emit_json(
             {
-                "ok": report.ok,
-                "level": level,
-                "refs": report.refs,
-                "manifests": report.manifests,
-                "chunks": report.chunks,
-                "rehashed_chunks": report.rehashed_chunks,
-                "rehashed_bytes": report.rehashed_bytes,
-                "problems": [p.__dict__ for p in report.problems],
+                "ok": result.ok,
+                "level": "full",
+                "source": result.source,
+                **_verify_dict(result.before),
+                "healed": [h.__dict__ for h in result.healed],
+                "unhealed": [u.__dict__ for u in result.unhealed],
+                "still_broken": result.broken_refs(),
             }
         )
     else:
-        for problem in report.problems:
-            click.echo(f"PROBLEM {problem}", err=True)
+        _print_verify(result.before)
+        for healed in result.healed:
+            click.echo(f"healed {healed.kind} {healed.digest} ({healed.how} from {result.source})")
+        for unhealed in result.unhealed:
+            click.echo(f"NOT HEALED {unhealed.kind} {unhealed.digest}: {unhealed.reason}", err=True)
+        broken = result.broken_refs()
         click.echo(
-            f"{'ok' if report.ok else 'FAILED'}: {report.refs} refs, {report.manifests} manifests, "
-            f"{report.chunks} chunks present-checked, {report.rehashed_chunks} re-hashed "
-            f"({human_bytes(report.rehashed_bytes)}), {len(report.problems)} problems"
+            f"{'repaired' if result.ok else 'FAILED'}: {len(result.healed)} objects healed, "
+            f"{len(broken)} refs still broken{': ' + ', '.join(broken) if broken else ''}"
         )
-    if not report.ok:
+    if not result.ok:
         sys.exit(1)

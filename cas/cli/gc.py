@@ -168,6 +168,11 @@ def stats(obj: Context, as_json: bool) -> None:
     click.echo(
         f"unreachable    {human_bytes(s.unreachable_bytes)} (freed by `cas gc` after the grace period)"
     )
+    if s.quarantined_objects:
+        click.echo(
+            f"quarantined    {s.quarantined_objects} objects ({human_bytes(s.quarantined_bytes)}) "
+            "found corrupt, moved aside (`cas verify --full --repair-from URL` restores them)"
+        )
 
 
 @cli.command()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -27,9 +28,11 @@ from cas.blobstore.base import BlobStore
 from cas.blobstore.bulk import DEFAULT_WORKERS, read_into
 from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of, digest_of_parts
-from cas.errors import FormatError, IntegrityError, NotFound
+from cas.errors import CASError, FormatError, IntegrityError, NotFound
 from cas.objects import inventory
+from cas.objects.buffers import gather, scatter
 from cas.objects.keys import ObjectKind, StoredObject, object_key
+from cas.objects.quarantine import Quarantine, QuarantineRecord
 from cas.objects.sweep import Sweeper, sweeper_for
 
 OBJECT_MAGIC = b"CASo"
@@ -38,6 +41,7 @@ _HEADER = struct.Struct("<4sBBHQ")
 HEADER_SIZE = _HEADER.size
 MAX_PARAMS = 4096
 DEFAULT_HINTS = EncodeHints()
+RAW_CODEC_ID = 0
 MAX_DELTA_DEPTH = 64
 """A base chain deeper than this is treated as corrupt (a cycle or a hostile store)."""
 CREATE_ATTEMPTS = 3
@@ -129,11 +133,17 @@ class ObjectStore:
     time, so an age-based GC sweep running concurrently spares it (dulwich's "freshen"). New
     chunks are written create-only, so the first stored encoding of a chunk is never replaced by
     a concurrent writer's (see ``_create``).
+
+    A read or verification that finds an object corrupt moves it into the store's quarantine
+    (``cas.objects.quarantine``) when the fault lies in its own stored bytes, so it is no longer
+    reused: ``_found_corrupt`` says how the fault is pinned on one object of a delta chain.
     """
 
     def __init__(self, blobs: BlobStore, *, max_object_size: int = 256 << 20) -> None:
         self.blobs = blobs
         self.max_object_size = max_object_size
+        self.quarantine = Quarantine(blobs)
+        self._examining = threading.local()
 
     def has_chunk(self, digest: Digest) -> bool:
         """Whether the chunk is stored."""
@@ -165,7 +175,7 @@ class ObjectStore:
         digest = digest or digest_of(view)
         key = chunk_key(digest)
         if not replace:
-            present, base = self._stored_base(key)
+            present, base = self._stored_base(key, len(view))
             if present:
                 if not freshen:
                     return PutResult(digest, len(view), 0, False, base)
@@ -180,7 +190,7 @@ class ObjectStore:
         if replace:
             self.blobs.put(key, (header, payload))
         else:
-            outcome = self._create(key, (header, payload), freshen)
+            outcome = self._create(key, (header, payload), freshen, len(view))
             if outcome is None:
                 # Damaged, or gone again after every lost create: overwrite it, standalone, so
                 # whichever of several repairing writers lands last, no manifest needs its base.
@@ -195,7 +205,7 @@ class ObjectStore:
         return PutResult(digest, len(view), len(header) + len(payload), True, base)
 
     def _create(
-        self, key: str, parts: tuple[bytes, bytes | memoryview], freshen: bool
+        self, key: str, parts: tuple[bytes, bytes | memoryview], freshen: bool, size: int
     ) -> tuple[bool, Digest | None] | None:
         """Write a new chunk create-only: ``(True, None)`` if this call stored it, else
         ``(False, base)`` with the base of the encoding another writer stored first.
@@ -210,7 +220,7 @@ class ObjectStore:
         for _ in range(CREATE_ATTEMPTS):
             if self.blobs.put_if_absent(key, parts):
                 return True, None
-            present, base = self._stored_base(key)
+            present, base = self._stored_base(key, size)
             if present:
                 try:
                     if freshen:
@@ -222,14 +232,23 @@ class ObjectStore:
                 break  # damaged: no manifest can depend on how it is encoded
         return None  # the caller overwrites it
 
-    def _stored_base(self, key: str) -> tuple[bool, Digest | None]:
-        """``(present and readable, base)`` of a stored chunk, from its header only."""
+    def _stored_base(self, key: str, size: int) -> tuple[bool, Digest | None]:
+        """``(present and sound, base)`` of a stored chunk of ``size`` decoded bytes, from its
+        header only. A header that is unreadable or declares another size is not sound, nor is
+        a raw chunk read whole (small) whose length is not header + ``size``: all are rewritten.
+        """
         try:
             head = self.blobs.get_range(key, 0, HEADER_SIZE + MAX_PARAMS)
             envelope = parse_envelope(head, self.max_object_size)
-            return True, codec_by_id(envelope.codec_id).base_of(envelope.params)
+            codec = codec_by_id(envelope.codec_id)
         except (NotFound, FormatError):
             return False, None
+        whole = len(head) < HEADER_SIZE + MAX_PARAMS
+        if envelope.decoded_size != size or (
+            whole and envelope.codec_id == RAW_CODEC_ID and len(head) != HEADER_SIZE + size
+        ):
+            return False, None
+        return True, codec.base_of(envelope.params)
 
     def stored_size(self, digest: Digest) -> int:
         """Bytes the chunk occupies in the store."""
@@ -240,18 +259,71 @@ class ObjectStore:
 
         Delta bases on the way are decoded but not hashed one by one: a base with a wrong byte
         makes the chunk built on it hash wrong, so checking the chunk itself catches it, and a
-        chain of depth d costs one hash instead of d + 1.
+        chain of depth d costs one hash instead of d + 1. A chunk found corrupt is quarantined
+        (``_found_corrupt``); one found quarantined already is an IntegrityError too.
         """
+        return self._get_chunk(digest, "read")
+
+    def _get_chunk(self, digest: Digest, operation: str) -> bytes | memoryview:
         key = chunk_key(digest)
         try:
-            return self._verified(digest, self.blobs.get(key))
-        except IntegrityError:
-            # A cached copy that fails (damaged on the local disk, or stored against a base the
-            # remote has since dropped) is read again from the store itself, chain included.
-            if not self.blobs.drop_cached(key):
-                raise
-            self._drop_cached_chain(digest)
-            return self._verified(digest, self.blobs.get(key))
+            try:
+                return self._verified(digest, self.blobs.get(key))
+            except IntegrityError:
+                # A cached copy that fails (damaged on the local disk, or stored against a base
+                # the remote has since dropped) is read again from the store itself, chain
+                # included.
+                if not self.blobs.drop_cached(key):
+                    raise
+                self._drop_cached_chain(digest)
+                return self._verified(digest, self.blobs.get(key))
+        except NotFound as e:
+            raise self._missing(ObjectKind.CHUNK, digest, e) from e
+        except IntegrityError as e:
+            raise self._found_corrupt(ObjectKind.CHUNK, digest, e, operation) from e
+
+    def _missing(self, kind: ObjectKind, digest: Digest, error: NotFound) -> CASError:
+        return self.quarantine.explain_missing(kind, digest, error)
+
+    def _found_corrupt(
+        self, kind: ObjectKind, digest: Digest, error: IntegrityError, operation: str
+    ) -> IntegrityError:
+        return self.quarantine.found_corrupt(
+            kind, digest, error, operation, lambda blob: self._fault_in(kind, digest, blob)
+        )
+
+    def _fault_in(self, kind: ObjectKind, digest: Digest, blob: bytes) -> str | None:
+        """What is wrong with ``blob``, the stored bytes of an object found corrupt; None when
+        they are sound (a writer stored a good copy meanwhile) or the fault is not theirs.
+
+        A delta chunk is rebuilt from its base, whose bytes are checked only through the chunk
+        built on it, so a bad base makes a good delta hash wrong. The base is therefore read
+        first and verified on its own (which quarantines it if its own bytes are bad); only when
+        it is good are the delta's bytes to blame. A delta whose base is missing, corrupt or
+        leads back to it stays where it is: the next save of it finds its chain broken and
+        stores it standalone, and ``verify --repair-from`` rewrites it.
+        """
+        examining: set[Digest] = self._examining.__dict__.setdefault("digests", set())
+        if digest in examining:
+            return None  # a chain that leads back to itself: no one object to blame
+        examining.add(digest)
+        try:
+            envelope = parse_envelope(blob, self.max_object_size)
+            codec = codec_by_id(envelope.codec_id)
+            base = codec.base_of(envelope.params) if kind is ObjectKind.CHUNK else None
+            if base is not None:
+                self.get_chunk(base)
+            payload = memoryview(blob)[envelope.payload_offset :]
+            decoded = codec.decode(envelope.params, payload, envelope.decoded_size, self.get_chunk)
+        except FormatError as e:
+            return str(e)
+        except CASError:
+            return None  # the base, not these bytes
+        finally:
+            examining.discard(digest)
+        if len(decoded) != envelope.decoded_size or digest_of(decoded) != digest:
+            return "its bytes hash to something else"
+        return None
 
     def _drop_cached_chain(self, digest: Digest) -> None:
         """Drop cached copies of the bases the stored ``digest`` depends on (headers only)."""
@@ -296,31 +368,39 @@ class ObjectStore:
         the buffers in one read and is hashed there, with no intermediate copy: a reader whose
         range ends inside a chunk gets that head in its own buffer and the rest in a side buffer.
         """
-        key = chunk_key(digest)
-        size = sum(len(out) for out in outs)
         if self.blobs.reads_in_place:
-            header = memoryview(bytearray(HEADER_SIZE))
-            got = read_into(self.blobs, key, 0, [header, *outs])
-            if got < HEADER_SIZE:
-                raise IntegrityError(f"chunk {digest} is corrupt: shorter than its header")
-            # Only the fixed fields are here; other codecs' parameters follow and are checked
-            # by get_chunk below.
-            magic, version, codec_id, params_len, decoded_size = _HEADER.unpack_from(header, 0)
-            raw = (magic, version, codec_id, params_len) == (OBJECT_MAGIC, OBJECT_VERSION, 0, 0)
-            if raw and decoded_size == size:
-                if got != HEADER_SIZE + size or digest_of_parts(outs) != digest:
-                    raise IntegrityError(
-                        f"chunk {digest} is corrupt: its bytes hash to something else"
-                    )
-                return
-            if got < HEADER_SIZE + size:
-                # An encoded chunk smaller than its decoded bytes was read whole: decode that copy
-                # rather than reading the file again.
-                blob = _gather([header, *outs], got)
-                decoded = memoryview(self._verified(digest, blob)).cast("B")
-                _scatter(decoded, outs, digest)
-                return
-        _scatter(memoryview(self.get_chunk(digest)).cast("B"), outs, digest)
+            try:
+                if self._read_in_place(digest, outs):
+                    return
+            except NotFound as e:
+                raise self._missing(ObjectKind.CHUNK, digest, e) from e
+            except IntegrityError as e:
+                raise self._found_corrupt(ObjectKind.CHUNK, digest, e, "read") from e
+        scatter(memoryview(self.get_chunk(digest)).cast("B"), outs, digest)
+
+    def _read_in_place(self, digest: Digest, outs: Sequence[memoryview]) -> bool:
+        """``read_chunk_parts`` from a local file; False when the chunk must be decoded."""
+        size = sum(len(out) for out in outs)
+        header = memoryview(bytearray(HEADER_SIZE))
+        got = read_into(self.blobs, chunk_key(digest), 0, [header, *outs])
+        if got < HEADER_SIZE:
+            raise IntegrityError(f"chunk {digest} is corrupt: shorter than its header")
+        # Only the fixed fields are here; other codecs' parameters follow and are checked by
+        # get_chunk.
+        magic, version, codec_id, params_len, decoded_size = _HEADER.unpack_from(header, 0)
+        fixed = (OBJECT_MAGIC, OBJECT_VERSION, RAW_CODEC_ID, 0)
+        if (magic, version, codec_id, params_len) == fixed and decoded_size == size:
+            if got != HEADER_SIZE + size or digest_of_parts(outs) != digest:
+                raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+            return True
+        if got < HEADER_SIZE + size:
+            # An encoded chunk smaller than its decoded bytes was read whole: decode that copy
+            # rather than reading the file again.
+            blob = gather([header, *outs], got)
+            decoded = memoryview(self._verified(digest, blob)).cast("B")
+            scatter(decoded, outs, digest)
+            return True
+        return False
 
     def _decode(self, digest: Digest, blob: bytes | bytearray, depth: int) -> bytes | memoryview:
         if depth > MAX_DELTA_DEPTH:
@@ -359,14 +439,20 @@ class ObjectStore:
         return digest
 
     def get_manifest(self, digest: Digest) -> bytes:
-        """The verified bytes of a manifest."""
+        """The verified bytes of a manifest; a corrupt one is quarantined (IntegrityError)."""
         try:
             blob = self.blobs.get(manifest_key(digest))
         except NotFound as e:
-            raise NotFound(f"manifest {digest} is missing from the store") from e
-        decoded = bytes(self._decode(digest, blob, 0))
-        if digest_of(decoded) != digest:
-            raise IntegrityError(f"manifest {digest} is corrupt: its bytes hash to something else")
+            missing = NotFound(f"manifest {digest} is missing from the store")
+            raise self._missing(ObjectKind.MANIFEST, digest, missing) from e
+        try:
+            decoded = bytes(self._decode(digest, blob, 0))
+            if digest_of(decoded) != digest:
+                raise IntegrityError(
+                    f"manifest {digest} is corrupt: its bytes hash to something else"
+                )
+        except IntegrityError as e:
+            raise self._found_corrupt(ObjectKind.MANIFEST, digest, e, "read") from e
         return decoded
 
     def map_raw_chunk(self, digest: Digest, size: int) -> memoryview | None:
@@ -382,13 +468,15 @@ class ObjectStore:
             with path.open("rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except FileNotFoundError as e:
-            raise NotFound(f"chunk {digest} is missing from the store") from e
-        if len(mapped) != HEADER_SIZE + size or mapped[5] != 0:
+            missing = NotFound(f"chunk {digest} is missing from the store")
+            raise self._missing(ObjectKind.CHUNK, digest, missing) from e
+        if len(mapped) != HEADER_SIZE + size or mapped[5] != RAW_CODEC_ID:
             mapped.close()
             return None  # not a raw chunk
         payload = memoryview(mapped)[HEADER_SIZE:]
         if digest_of(payload) != digest:
-            raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+            error = IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+            raise self._found_corrupt(ObjectKind.CHUNK, digest, error, "read")
         return payload
 
     # -- the store as a whole: what retention and transfers ask of it ---------------------------
@@ -438,8 +526,25 @@ class ObjectStore:
         return sweeper_for(self.blobs)
 
     def verify(self, digest: Digest) -> int:
-        """Re-read and re-hash a chunk; its decoded size. IntegrityError or NotFound if bad."""
-        return len(self.get_chunk(digest))
+        """Re-read and re-hash a chunk; its decoded size. IntegrityError (quarantined, when its
+        own bytes are at fault) or NotFound if bad."""
+        return len(self._get_chunk(digest, "verify"))
+
+    def declared_size(self, digest: Digest) -> int:
+        """The decoded size a stored chunk's header declares (one small ranged read, no
+        decoding); NotFound if missing, IntegrityError (quarantined) if the header is bad."""
+        try:
+            head = self.blobs.get_range(chunk_key(digest), 0, HEADER_SIZE + MAX_PARAMS)
+            return parse_envelope(head, self.max_object_size).decoded_size
+        except NotFound as e:
+            raise self._missing(ObjectKind.CHUNK, digest, e) from e
+        except FormatError as e:
+            error = IntegrityError(f"chunk {digest} is corrupt: {e}")
+            raise self._found_corrupt(ObjectKind.CHUNK, digest, error, "verify") from e
+
+    def quarantined(self) -> list[QuarantineRecord]:
+        """Every object this store has moved aside as corrupt (``cas.objects.quarantine``)."""
+        return list(self.quarantine.records())
 
     def verify_stored(
         self, kind: ObjectKind, digest: Digest, blob: bytes | bytearray
@@ -473,7 +578,10 @@ class ObjectStore:
             blob = self.blobs.get(object_key(kind, digest))
         except NotFound as e:
             raise NotFound(f"{kind.noun} {digest} is missing from {self.url}") from e
-        decoded = self.verify_stored(kind, digest, blob)
+        try:
+            decoded = self.verify_stored(kind, digest, blob)
+        except IntegrityError as e:
+            raise self._found_corrupt(kind, digest, e, "copy") from e
         envelope = parse_envelope(blob, self.max_object_size)
         base = codec_by_id(envelope.codec_id).base_of(envelope.params)
         created = to.blobs.put_if_absent(object_key(kind, digest), blob)
@@ -481,25 +589,3 @@ class ObjectStore:
             with contextlib.suppress(NotFound):
                 to.blobs.touch(object_key(kind, digest))
         return CopiedObject(kind, digest, created, len(decoded), len(blob), base)
-
-
-def _gather(parts: Sequence[memoryview], size: int) -> bytearray:
-    """The first ``size`` bytes of ``parts`` laid end to end, in one new buffer."""
-    blob = bytearray(size)
-    offset = 0
-    for part in parts:
-        n = min(len(part), size - offset)
-        blob[offset : offset + n] = part[:n]
-        offset += n
-    return blob
-
-
-def _scatter(decoded: memoryview, outs: Sequence[memoryview], digest: Digest) -> None:
-    """Copy a chunk's decoded bytes over ``outs``, whose sizes must sum to its size."""
-    size = sum(len(out) for out in outs)
-    if len(decoded) != size:
-        raise IntegrityError(f"chunk {digest} has {len(decoded)} bytes, manifest says {size}")
-    offset = 0
-    for out in outs:
-        out[:] = decoded[offset : offset + len(out)]
-        offset += len(out)

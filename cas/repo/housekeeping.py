@@ -22,6 +22,7 @@ from cas.retention.evictions import eviction_logs, read_evictions
 from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
 from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
 from cas.retention.policy import RETENTION_SECTION, RetentionPolicy
+from cas.retention.repair import RepairReport, repair
 from cas.retention.space import (
     StoreStats,
     Usage,
@@ -124,6 +125,17 @@ class HousekeepingOperations:
         """Check the selected refs (all by default) at ``level`` (``structure``, ``existence``,
         ``sample``, ``full``; ``cas.retention.verify``); never raises for what it finds."""
         return verify(self.stores, selectors, level=level, sample_pct=sample_pct, progress=progress)
+
+    def repair_from(
+        self,
+        source: HousekeepingOperations,
+        selectors: Iterable[str] = ("",),
+        *,
+        progress: Progress | None = None,
+    ) -> RepairReport:
+        """Verify the selected refs in full and copy every missing or corrupt object from
+        ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
+        return repair(self.stores, source.stores.objects, selectors, progress=progress)
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""

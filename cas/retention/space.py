@@ -247,6 +247,10 @@ class StoreStats:
     damaged: tuple[DamagedRef, ...] = ()
     """Refs whose record or manifest could not be read: not counted, and what only they name
     counts as unreachable."""
+    quarantined_objects: int = 0
+    """Chunks and manifests found corrupt and moved aside (``cas.objects.quarantine``)."""
+    quarantined_bytes: int = 0
+    """What the quarantine area holds (the bytes as found, and their records)."""
 
     @property
     def dedup_ratio(self) -> float:
@@ -296,6 +300,7 @@ def store_stats(stores: Stores) -> StoreStats:
     for stored in stores.objects.list_objects(ObjectKind.MANIFEST):
         manifests += 1
         manifest_bytes += stored.size
+    quarantine = stores.objects.quarantine.summary()
     return StoreStats(
         refs=len(contents),
         manifests=manifests,
@@ -307,6 +312,8 @@ def store_stats(stores: Stores) -> StoreStats:
         unique_bytes=sum(decoded.values()),
         logical_bytes=sum(c.logical_bytes for c in contents),
         damaged=damaged,
+        quarantined_objects=quarantine.objects,
+        quarantined_bytes=quarantine.stored_bytes,
     )
 
 

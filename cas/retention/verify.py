@@ -1,22 +1,29 @@
 """Verification: every selected ref's manifest decodes and its chunks exist, or are re-hashed.
 
 Levels, cheapest first: ``structure`` (manifests, refs and their sealed history segments parse),
-``existence`` (every chunk a manifest names is present), ``sample`` (re-hash a rotating PCT% of
-chunks; successive runs cover the whole store), ``full`` (re-read and re-hash every chunk).
+``existence`` (every chunk a manifest names is present, and the decoded size its header declares
+is the size every manifest entry gives it: one small ranged read per chunk, about what an
+existence request costs), ``sample`` (re-hash a rotating PCT% of chunks; successive runs cover the
+whole store), ``full`` (re-read and re-hash every chunk, and compare its decoded size with every
+entry naming it).
+
+A chunk whose size disagrees with an entry is a ``size-mismatch``: at ``full`` the chunk hashes
+to its name, so the manifest is what is wrong (a reader refuses it); at ``existence`` the header
+may be. Chunks and manifests found corrupt are quarantined by the object store as they are read
+(``cas.objects.quarantine``), and each problem names every ref it breaks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cas.digest import Digest
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
 from cas.model.manifest import Manifest, decode_manifest
 from cas.objects.chunkio import Progress
-from cas.objects.keys import ObjectKind
 from cas.refs.listing import list_refs
 from cas.refs.stores import Stores
 
@@ -26,14 +33,19 @@ SAMPLE_STATE = "verify-sample.json"
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong, tied to the ref where it was found."""
+    """One thing wrong, tied to the ref where it was found (and every ref it breaks)."""
 
     ref: str
     kind: str
     detail: str
+    digest: str = ""
+    """The object at fault (a chunk or manifest digest), when there is one."""
+    refs: tuple[str, ...] = ()
+    """Every selected ref the problem breaks, ``ref`` first."""
 
     def __str__(self) -> str:
-        return f"{self.ref}: {self.kind}: {self.detail}"
+        more = f" (and {len(self.refs) - 1} more refs)" if len(self.refs) > 1 else ""
+        return f"{self.ref}: {self.kind}: {self.detail}{more}"
 
 
 @dataclass
@@ -45,12 +57,18 @@ class VerifyReport:
     chunks: int = 0
     rehashed_chunks: int = 0
     rehashed_bytes: int = 0
+    quarantined: int = 0
+    """Objects of the store held in quarantine (found corrupt at some time, by any reader)."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """No problem found."""
         return not self.problems
+
+    def broken_refs(self) -> list[str]:
+        """Every ref some problem breaks, sorted."""
+        return sorted({r for p in self.problems for r in (p.refs or (p.ref,))})
 
 
 def in_sample(digest: Digest, start: float, pct: float) -> bool:
@@ -77,8 +95,9 @@ def verify(
     records = {r.name: r for listing in listings for r in listing.records}
     damaged = {d.ref: d for listing in listings for d in listing.damaged}
     sample_start = _sample_start(stores) if level == "sample" else 0.0
-    owners: dict[Digest, str] = {}
-    seen_manifests: set[Digest] = set()
+    named_by: dict[Digest, list[str]] = {}  # the refs naming each manifest
+    chunks: dict[Digest, _Claims] = {}
+    manifest_problems: list[tuple[Digest, str, str]] = []
     for bad in sorted(damaged.values(), key=lambda d: d.ref):
         report.refs += 1
         report.problems.append(Problem(bad.ref, "bad-ref", bad.error))
@@ -90,52 +109,113 @@ def verify(
             except CASError as e:
                 report.problems.append(Problem(name, "bad-history", str(e)))
         target = record.target
-        if target in seen_manifests:
+        if target in named_by:
+            named_by[target].append(name)
             continue
-        seen_manifests.add(target)
-        manifest = _read_manifest(stores, name, target, report)
+        named_by[target] = [name]
+        manifest = _read_manifest(stores, target, manifest_problems)
         if manifest is None:
             continue
         report.manifests += 1
-        for digest in manifest.chunk_digests():
-            owners.setdefault(digest, name)
+        _claim(chunks, target, manifest)
+    for target, kind, detail in manifest_problems:
+        who = tuple(named_by[target])
+        report.problems.append(Problem(who[0], kind, detail, target, who))
     if level == "structure":
+        report.quarantined = stores.objects.quarantine.summary().objects
         return report
-    report.chunks = len(owners)
-    present = stores.objects.has_many(ObjectKind.CHUNK, owners)
-    for digest, ref in owners.items():
-        if not present[digest]:
-            report.problems.append(Problem(ref, "missing-chunk", digest))
+
+    def broken(digest: Digest, kind: str, detail: str, sizes: Iterable[int] | None = None) -> None:
+        claims = chunks[digest]
+        manifests = claims.manifests if sizes is None else claims.manifests_of(sizes)
+        who = tuple(dict.fromkeys(r for m in manifests for r in named_by[m]))
+        report.problems.append(Problem(who[0], kind, detail, digest, who))
+
+    report.chunks = len(chunks)
+    declared = dict(zip(chunks, stores.pool.map(_declared_size(stores), chunks), strict=True))
+    for digest, outcome in declared.items():
+        if isinstance(outcome, NotFound):
+            broken(digest, "missing-chunk", digest)
+        elif isinstance(outcome, CASError):
+            broken(digest, "corrupt-chunk", f"{digest}: {outcome}")
+        elif level != "full" and (wrong := chunks[digest].disagreeing(outcome)):
+            detail = f"{digest}: its header declares {outcome} bytes, {_entries(wrong)}"
+            broken(digest, "size-mismatch", detail, wrong)
     to_hash = [
         d
-        for d in owners
-        if present[d]
+        for d in chunks
+        if isinstance(declared[d], int)
         and (level == "full" or (level == "sample" and in_sample(d, sample_start, sample_pct)))
     ]
-    for digest, outcome in zip(
+    for digest, rehashed in zip(
         to_hash, stores.pool.map(lambda d: _rehash(stores, d), to_hash), strict=False
     ):
-        if isinstance(outcome, int):
+        if isinstance(rehashed, int):
             report.rehashed_chunks += 1
-            report.rehashed_bytes += outcome
+            report.rehashed_bytes += rehashed
             if progress is not None:
-                progress(outcome)
+                progress(rehashed)
+            if level == "full" and (wrong := chunks[digest].disagreeing(rehashed)):
+                detail = f"{digest}: the chunk holds {rehashed} bytes, {_entries(wrong)}"
+                broken(digest, "size-mismatch", detail, wrong)
         else:
-            report.problems.append(Problem(owners[digest], "corrupt-chunk", f"{digest}: {outcome}"))
+            broken(digest, "corrupt-chunk", f"{digest}: {rehashed}")
     if level == "sample":
         _save_sample_start(stores, (sample_start + sample_pct) % 100.0)
+    report.quarantined = stores.objects.quarantine.summary().objects  # this run's finds too
     return report
 
 
+@dataclass
+class _Claims:
+    """Which manifests name one chunk, and the decoded sizes their entries give it."""
+
+    manifests: list[Digest] = field(default_factory=list)
+    sizes: dict[int, list[Digest]] = field(default_factory=dict)
+    """Size -> the manifests with an entry of that size (delta bases carry no size)."""
+
+    def disagreeing(self, size: int) -> list[int]:
+        """The sizes entries give the chunk other than ``size``, its real (or declared) one."""
+        return sorted(s for s in self.sizes if s != size)
+
+    def manifests_of(self, sizes: Iterable[int]) -> list[Digest]:
+        """The manifests with an entry of one of ``sizes``."""
+        return list(dict.fromkeys(m for s in sizes for m in self.sizes[s]))
+
+
+def _claim(chunks: dict[Digest, _Claims], target: Digest, manifest: Manifest) -> None:
+    for digest in manifest.chunk_digests():
+        chunks.setdefault(digest, _Claims()).manifests.append(target)
+    for ref in manifest.chunk_refs():
+        named = chunks[ref.digest].sizes.setdefault(ref.size, [])
+        if not named or named[-1] != target:
+            named.append(target)
+
+
+def _entries(sizes: list[int]) -> str:
+    said = " or ".join(str(s) for s in sizes)
+    return f"a manifest entry says {said}"
+
+
+def _declared_size(stores: Stores) -> Callable[[Digest], int | CASError]:
+    def declared(digest: Digest) -> int | CASError:
+        try:
+            return stores.objects.declared_size(digest)
+        except CASError as e:
+            return e
+
+    return declared
+
+
 def _read_manifest(
-    stores: Stores, ref: str, target: Digest, report: VerifyReport
+    stores: Stores, target: Digest, problems: list[tuple[Digest, str, str]]
 ) -> Manifest | None:
     try:
         return decode_manifest(stores.objects.get_manifest(target))
     except NotFound:
-        report.problems.append(Problem(ref, "missing-manifest", target))
+        problems.append((target, "missing-manifest", target))
     except (IntegrityError, FormatError) as e:
-        report.problems.append(Problem(ref, "corrupt-manifest", f"{target}: {e}"))
+        problems.append((target, "corrupt-manifest", f"{target}: {e}"))
     return None
 
 

@@ -32,7 +32,10 @@ import pytest
 from cas.blobstore.base import BlobStore
 from cas.blobstore.bulk import has_many, read_into, touch_many
 from cas.blobstore.wrapper import WRITE_METHODS
-from cas.errors import InvalidName, NotFound, PreconditionFailed, ReadOnlyError
+from cas.codecs import codec_by_name
+from cas.errors import IntegrityError, InvalidName, NotFound, PreconditionFailed, ReadOnlyError
+from cas.objects.keys import ObjectKind
+from cas.objects.store import ObjectStore, chunk_key
 from cas.refs.keys import HASH_MARK, HASHED_HEAD, MAX_PLAIN_NAME, REFS_PREFIX
 
 MiB = 1 << 20
@@ -474,6 +477,33 @@ class BlobStoreConformance(BlobStoreReadConformance):
                 pytest.fail(f"{name}({key!r}) was accepted")
         assert list(store.list()) == []
 
+    def test_a_corrupt_chunk_is_quarantined_and_healed_by_the_next_put(
+        self, store: BlobStore
+    ) -> None:
+        objects = ObjectStore(store)
+        data = _blob(10_000, 5)
+        digest = objects.put_chunk(data, codec_by_name("raw")).digest
+        rotted = _rot(store, chunk_key(digest))
+        with pytest.raises(IntegrityError, match="moved aside"):
+            objects.get_chunk(digest)
+        assert not objects.has_chunk(digest)
+        [record] = objects.quarantined()
+        assert (record.kind, record.digest, record.operation) == ("chunks", digest, "read")
+        assert store.get(record.key) == rotted
+        with pytest.raises(IntegrityError, match="quarantined"):
+            objects.get_chunk(digest)
+        assert list(objects.list_objects(ObjectKind.CHUNK)) == []  # no object is listed there
+        assert objects.put_chunk(data, codec_by_name("zstd")).new
+        assert bytes(objects.get_chunk(digest)) == data
+
+
+def _rot(store: BlobStore, key: str) -> bytes:
+    """Flip one byte of the blob's last byte in place, as bit rot would; the bytes now stored."""
+    rotted = bytearray(store.get(key))
+    rotted[-1] ^= 0x40
+    store.put(key, bytes(rotted))
+    return bytes(rotted)
+
 
 class ReadOnlyConformance(BlobStoreReadConformance):
     """A read-only view (``make_store`` returns a wrapper of a writable store): it answers every
@@ -509,3 +539,16 @@ class ReadOnlyConformance(BlobStoreReadConformance):
 
     def test_gc_may_not_rename_its_files(self, store: BlobStore) -> None:
         assert not store.supports_rename
+
+    def test_a_corrupt_chunk_is_refused_though_it_cannot_be_moved_aside(
+        self, store: BlobStore
+    ) -> None:
+        beneath = self.writer(store)
+        digest = ObjectStore(beneath).put_chunk(_blob(5000, 6), codec_by_name("raw")).digest
+        rotted = _rot(beneath, chunk_key(digest))
+        objects = ObjectStore(store)
+        with pytest.raises(IntegrityError) as raised:
+            objects.get_chunk(digest)
+        assert "moved aside" not in str(raised.value)
+        assert beneath.get(chunk_key(digest)) == rotted
+        assert list(beneath.list("quarantine/")) == []
