@@ -91,6 +91,40 @@ def encode_header(codec: Codec, params: bytes, decoded_size: int) -> bytes:
     )
 
 
+def private_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """``data`` as flat bytes that nothing else can change while they are hashed and written.
+
+    Bytes, and views of bytes, are immutable and kept as they are; anything else is copied once.
+    The copy is what makes a chunk's name and body one read of its source: a raw chunk would
+    otherwise be written straight from the caller's buffer after being hashed from it, and an
+    mmap of a file rewritten in between gives two different readings.
+    """
+    view = memoryview(data).cast("B")
+    if isinstance(view.obj, bytes):
+        return view
+    return memoryview(bytes(view))
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """A chunk encoded ahead of its put (a codec trial), tied to the immutable bytes it encodes.
+
+    ``put_chunk`` reuses it only when handed the same ``source`` object, so a stale or foreign
+    encoding can cost a second encode but never be written under the wrong name.
+    """
+
+    source: bytes
+    codec: Codec
+    params: bytes
+    payload: bytes | memoryview
+
+
+def encode_ahead(source: bytes, codec: Codec, hints: EncodeHints) -> Encoding:
+    """Encode ``source`` with ``codec`` for a later ``put_chunk(source, codec, ...)``."""
+    params, payload = codec.encode(memoryview(source), hints)
+    return Encoding(source, codec, params, payload)
+
+
 @dataclass(frozen=True)
 class PutResult:
     """What storing one chunk did: ``stored_bytes`` is 0 when the chunk already existed."""
@@ -141,16 +175,25 @@ class ObjectStore:
 
     def put_chunk(
         self,
-        data: memoryview | bytes,
+        data: bytes | bytearray | memoryview,
         codec: Codec,
         hints: EncodeHints = DEFAULT_HINTS,
-        digest: Digest | None = None,
         *,
+        expected: Digest | None = None,
         freshen: bool = True,
         replace: bool = False,
-        encoded: tuple[bytes, bytes | memoryview] | None = None,
+        encoded: Encoding | None = None,
     ) -> PutResult:
         """Store one chunk unless present; return its digest, the bytes written and its base.
+
+        This is the one door through which chunks are written, and it keeps invariant 9: the
+        digest is computed here, from the very buffer that is then encoded and written. Bytes
+        (or a view of bytes) cannot change and are used as they are; any other buffer (a tensor,
+        an mmap, a bytearray) is first copied into a private one, so a caller whose memory or
+        file changes meanwhile stores a consistent chunk, never one whose bytes are not its name.
+        ``expected`` is the digest the caller believes the bytes have: IntegrityError if not.
+        ``encoded`` is an ``Encoding`` made ahead (a codec trial), used only if it was made from
+        this very ``data`` with this codec.
 
         Presence is learnt from the stored header, which also gives the base an existing chunk
         was delta-encoded against. A chunk found absent is written create-only: if another writer
@@ -158,11 +201,12 @@ class ObjectStore:
         chunk whose header is unreadable (damaged, or an unknown codec) is written again;
         ``replace=True`` always writes, e.g. to re-encode a chunk standalone when its stored base
         chain is broken (safe against any writer: a standalone chunk needs no base). Decoded
-        bytes, hence identity, never change. ``encoded`` is ``codec.encode(data, hints)`` when the
-        caller already has it.
+        bytes, hence identity, never change.
         """
-        view = memoryview(data).cast("B")
-        digest = digest or digest_of(view)
+        view = private_view(data)
+        digest = digest_of(view)
+        if expected is not None and digest != expected:
+            raise IntegrityError(f"bytes given as chunk {expected} hash to {digest}; not stored")
         key = chunk_key(digest)
         if not replace:
             present, base = self._stored_base(key)
@@ -175,7 +219,10 @@ class ObjectStore:
                     pass  # swept between the header read and touch(): write it again
                 else:
                     return PutResult(digest, len(view), 0, False, base)
-        params, payload = encoded if encoded is not None else codec.encode(view, hints)
+        if encoded is not None and encoded.source is data and encoded.codec is codec:
+            params, payload = encoded.params, encoded.payload
+        else:
+            params, payload = codec.encode(view, hints)
         header = encode_header(codec, params, len(view))
         if replace:
             self.blobs.put(key, (header, payload))
