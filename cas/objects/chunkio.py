@@ -12,7 +12,8 @@ from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
 from cas.model.manifest import ChunkRef
 from cas.objects.chunking import Cut
-from cas.objects.store import ObjectStore, PutResult, private_view
+from cas.objects.private import private_view
+from cas.objects.store import ObjectStore, PutResult
 
 T = TypeVar("T")
 

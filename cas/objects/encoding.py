@@ -36,7 +36,8 @@ from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.objects.chains import STANDALONE, Chain, ChainIndex, ChunkCache, encoding_record
 from cas.objects.chunking import Cut
 from cas.objects.chunkio import Progress, WriteStats
-from cas.objects.store import Encoding, ObjectStore, chunk_key, private_view
+from cas.objects.private import Encoding, private_view
+from cas.objects.store import ObjectStore, chunk_key
 
 AUTO = "auto"
 DELTA_SECTION = "delta"

@@ -30,6 +30,7 @@ from cas.digest import Digest, digest_of, digest_of_parts
 from cas.errors import FormatError, IntegrityError, NotFound
 from cas.objects import inventory
 from cas.objects.keys import ObjectKind, StoredObject, object_key
+from cas.objects.private import Encoding, private_view
 from cas.objects.sweep import Sweeper, sweeper_for
 
 OBJECT_MAGIC = b"CASo"
@@ -89,40 +90,6 @@ def encode_header(codec: Codec, params: bytes, decoded_size: int) -> bytes:
         _HEADER.pack(OBJECT_MAGIC, OBJECT_VERSION, codec.codec_id, len(params), decoded_size)
         + params
     )
-
-
-def private_view(data: bytes | bytearray | memoryview) -> memoryview:
-    """``data`` as flat bytes that nothing else can change while they are hashed and written.
-
-    Bytes, and views of bytes, are immutable and kept as they are; anything else is copied once.
-    The copy is what makes a chunk's name and body one read of its source: a raw chunk would
-    otherwise be written straight from the caller's buffer after being hashed from it, and an
-    mmap of a file rewritten in between gives two different readings.
-    """
-    view = memoryview(data).cast("B")
-    if isinstance(view.obj, bytes):
-        return view
-    return memoryview(bytes(view))
-
-
-@dataclass(frozen=True)
-class Encoding:
-    """A chunk encoded ahead of its put (a codec trial), tied to the immutable bytes it encodes.
-
-    ``put_chunk`` reuses it only when handed the same ``source`` object, so a stale or foreign
-    encoding can cost a second encode but never be written under the wrong name.
-    """
-
-    source: bytes
-    codec: Codec
-    params: bytes
-    payload: bytes | memoryview
-
-
-def encode_ahead(source: bytes, codec: Codec, hints: EncodeHints) -> Encoding:
-    """Encode ``source`` with ``codec`` for a later ``put_chunk(source, codec, ...)``."""
-    params, payload = codec.encode(memoryview(source), hints)
-    return Encoding(source, codec, params, payload)
 
 
 @dataclass(frozen=True)
