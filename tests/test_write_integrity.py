@@ -287,6 +287,22 @@ def test_put_on_a_full_disk_fails_in_one_line_and_the_store_works_once_space_is_
     assert cas_cli(store, "verify", "--full").returncode == 0
 
 
+def test_get_onto_a_full_disk_fails_in_one_line_and_leaves_no_file(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    data = random.Random(8).randbytes(6 << 20)
+    (tmp_path / "weights.bin").write_bytes(data)
+    assert cas_cli(store, "put", str(tmp_path / "weights.bin"), "r/x").returncode == 0
+    ballast = fill(small_disk, leave=1 << 20)
+    get = cas_cli(store, "get", "r/x", str(small_disk / "weights.bin"), "--sha256")
+    assert_refused_in_one_line(get, "No space left on device")
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ballast"]
+    ballast.unlink()
+    assert cas_cli(store, "get", "r/x", str(small_disk / "weights.bin")).returncode == 0
+    assert (small_disk / "weights.bin").read_bytes() == data
+
+
 def test_save_on_a_full_disk_raises_one_line_and_commits_nothing(small_disk: Path) -> None:
     store = small_disk / "store"
     repo = cas.open(store, config=StoreConfig(chunk_size=256 << 10))

@@ -103,7 +103,14 @@ def write_sha256_sidecar(target: Path, hexdigest: str | None = None) -> Path:
                 hasher.update(block)
         hexdigest = hasher.hexdigest()
     sidecar = _sidecar_of(target)
-    sidecar.write_text(f"{hexdigest}  {target.name}\n")
+    # Through a temp file, like the file itself: a full disk never leaves half a sidecar.
+    tmp = sidecar.with_name(f".{sidecar.name}.{uuid.uuid4().hex[:8]}.cas-tmp")
+    try:
+        tmp.write_text(f"{hexdigest}  {target.name}\n")
+        os.replace(tmp, sidecar)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return sidecar
 
 
