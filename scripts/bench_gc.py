@@ -39,7 +39,7 @@ def synthesize(root: Path, chunks: int) -> dict[str, int]:
     from cas.codecs import codec_by_name
     from cas.digest import Digest, digest_of
     from cas.model.manifest import ChunkRef, Manifest, TensorEntry, encode_manifest
-    from cas.objects.store import encode_header
+    from cas.objects.envelope import encode_header
     from cas.repo.config import StoreConfig
 
     repo = cas.open(root, config=StoreConfig(), fsync=False)

@@ -18,7 +18,8 @@ from cas.codecs import EncodeHints, all_codecs, codec_by_name
 from cas.codecs.bytegroup import PLANE_STORED, PLANE_ZSTD, PlaneTable
 from cas.digest import Digest, digest_of, digest_to_bytes
 from cas.errors import FormatError, IntegrityError
-from cas.objects.store import ObjectStore, chunk_key, encode_header
+from cas.objects.envelope import encode_header
+from cas.objects.store import ObjectStore, chunk_key
 from cas.repo.config import StoreConfig
 from tests.helpers import assert_bit_exact
 

@@ -15,7 +15,7 @@ import torch
 
 import cas
 from cas.digest import Digest
-from cas.objects.store import parse_envelope
+from cas.objects.envelope import parse_envelope
 from tests import crash_workers as workers
 from tests.crash_writer import expected_state, write_forever
 

@@ -15,7 +15,8 @@ import pytest
 import cas.blobstore.direct as direct
 from cas.blobstore.local import TMP_DIR, LocalBlobStore
 from cas.errors import BackendError
-from cas.objects.store import HEADER_SIZE, chunk_key
+from cas.objects.envelope import HEADER_SIZE
+from cas.objects.store import chunk_key
 from tests.helpers import local_root
 
 pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this platform has no O_DIRECT")
@@ -272,12 +273,13 @@ def test_the_stager_starts_large_tensors_where_their_raw_chunks_write_in_place()
         assert again[key].data_ptr() == first[key].data_ptr(), key  # reused, not reallocated
 
 
-def test_an_async_save_writes_its_chunks_from_the_staging_buffers_without_copying_them(
+def test_an_async_save_copies_each_chunk_once_and_writes_it_from_that_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
 
     import cas
+    import cas.objects.private
     from cas.training.async_save import Stager, StagingSet
     from cas.training.manager import CheckpointManager
 
@@ -289,15 +291,32 @@ def test_an_async_save_writes_its_chunks_from_the_staging_buffers_without_copyin
         staged.extend(memoryview(t.view(-1).view(torch.uint8).numpy()) for t in leaves(copied))
         return copied
 
+    # The chunk door hashes and writes one private reading of each chunk (invariant 9); the
+    # copy is laid out like the staging buffers, so the direct write still sends it in place.
+    private: list[memoryview] = []
+    real_copy = cas.objects.private._aligned_copy
+
+    def aligned_copy(view: memoryview) -> memoryview:
+        private.append(real_copy(view))
+        return private[-1]
+
     monkeypatch.setattr(Stager, "snapshot", snapshot)
+    monkeypatch.setattr(cas.objects.private, "_aligned_copy", aligned_copy)
     calls = record_iovecs(monkeypatch)
     repo = cas.open(tmp_path / "store")
     state = {"w": torch.randn(2 * MiB // 4), "b": torch.randn(16)}  # one 2 MiB chunk, one inline
     with CheckpointManager(repo, run="runs/bg", signals=False, capture_rng=False) as mgr:
         ref = mgr.save(1, state).result().ref
     assert torch.equal(repo.load(ref)["state"]["w"], state["w"])
+    assert len(private) == 1 and bytes_handed_from(calls, staged) == 0
     # All but the chunk's first block (header + 4080 bytes) and last (16 bytes + padding).
-    assert bytes_handed_from(calls, staged) == 2 * MiB - direct.ALIGN
+    assert bytes_handed_from(calls, private) == 2 * MiB - direct.ALIGN
+
+
+def test_private_copies_of_chunks_start_where_a_raw_chunk_payload_does() -> None:
+    from cas.objects.private import PAYLOAD_OFFSET
+
+    assert PAYLOAD_OFFSET == HEADER_SIZE
 
 
 def leaves(tree: object) -> list[Any]:

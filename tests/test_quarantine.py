@@ -18,7 +18,8 @@ from cas.blobstore.cache import CachingBlobStore
 from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.digest import Digest
 from cas.model.manifest import ChunkRef, FileEntry, Manifest
-from cas.objects.store import HEADER_SIZE, chunk_key
+from cas.objects.envelope import HEADER_SIZE
+from cas.objects.store import chunk_key
 from cas.repo.config import StoreConfig, read_config
 from cas.repo.opening import CACHED_PREFIXES, verify_cached_object
 from cas.repo.repository import Repository

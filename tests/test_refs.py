@@ -19,7 +19,8 @@ from cas.digest import Digest
 from cas.errors import FormatError, NotFound, RefConflict
 from cas.names import RefName
 from cas.objects.store import manifest_key
-from cas.refs.store import RefRecord, RefStore, ref_key
+from cas.refs.keys import ref_key
+from cas.refs.store import RefRecord, RefStore
 from cas.retention.gc import GCSettings
 from cas.training.manager import CheckpointManager
 from tests.retention_helpers import FakeClock, chunk_digests, local_repo, memory_repo, tensor

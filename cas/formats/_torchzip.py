@@ -15,13 +15,13 @@ path; other storages keep ``storage/<key>`` names and are described as bytes.
 from __future__ import annotations
 
 import io
-import mmap
+import os
 import pickletools
 import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import IO, BinaryIO, cast
+from typing import IO, BinaryIO
 
 from cas.errors import FormatError
 from cas.formats._pickle_allow import PLAIN_DTYPES
@@ -71,10 +71,14 @@ def is_pickle_head(head: bytes) -> bool:
 
 
 def parses_as_pickle(name: str) -> bool:
-    """Whether the file's opcodes read as one pickle up to its STOP (nothing is executed)."""
+    """Whether the file's opcodes read as one pickle up to its STOP (nothing is executed).
+
+    Read through a file, never a mapping: a file truncated while it is mapped kills the reader
+    with SIGBUS.
+    """
     try:
-        with open(name, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            for _ in pickletools.genops(cast(IO[bytes], mapped)):
+        with open(name, "rb") as f:
+            for _ in pickletools.genops(f):
                 pass
     except Exception:  # pickletools raises ValueError and others on what is not a pickle
         return False
@@ -130,25 +134,15 @@ def inspect_torch_zip(
 def inspect_pickle(name: str, size: int, *, allow_opaque_pickles: bool) -> FileLayout:
     """Validate a legacy torch file (or any pickle) as weights-only; its bytes stay opaque."""
     try:
-        with open(name, "rb") as f, _map(name, f, size) as mapped:
-            _check_legacy(name, mapped)
+        with open(name, "rb") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise FormatError(f"{name} changed while it was being read")
+            _check_legacy(name, f, size)
     except FormatError:
         if allow_opaque_pickles:
             return opaque_layout(size)
         raise
     return opaque_layout(size)
-
-
-def _map(name: str, f: BinaryIO, size: int) -> mmap.mmap:
-    """A read-only mapping of the whole file, which must still be ``size`` bytes long."""
-    try:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except ValueError as e:  # the file became empty
-        raise FormatError(f"{name} changed while it was being read") from e
-    if len(mapped) != size:
-        mapped.close()
-        raise FormatError(f"{name} changed while it was being read")
-    return mapped
 
 
 def _archive_prefix(infos: list[zipfile.ZipInfo]) -> str | None:
@@ -209,9 +203,11 @@ def _check_storages(name: str, scanned: ScannedPickle, members: list[_Member]) -
             )
 
 
-def _check_legacy(name: str, mapped: mmap.mmap) -> None:
-    """A legacy file: magic, version, system info and object pickles, a key list, raw storages."""
-    stream = cast(IO[bytes], mapped)
+def _check_legacy(name: str, stream: BinaryIO, size: int) -> None:
+    """A legacy file: magic, version, system info and object pickles, a key list, raw storages.
+
+    Read through the file (a mapping of a file truncated meanwhile would end in SIGBUS).
+    """
     magic = _scan(name, stream, storage_id_fields=6).root
     if type(magic) is not int or magic != LEGACY_MAGIC:
         raise _not_loadable(name, "a pickle without torch's magic number")
@@ -223,16 +219,17 @@ def _check_legacy(name: str, mapped: mmap.mmap) -> None:
     keys = _scan(name, stream, storage_id_fields=6).root
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise _not_loadable(name, "its storage key list is not a list of names")
-    offset = mapped.tell()
+    offset = stream.tell()
     for key in keys:
         storage = storages.get(key)
         if storage is None:
             raise _not_loadable(name, f"storage {key[:80]!r} is listed but never used")
-        numel = int.from_bytes(mapped[offset : offset + 8], "little", signed=True)
-        if offset + 8 > len(mapped) or numel != storage.numel:
+        stream.seek(offset)
+        numel = int.from_bytes(stream.read(8), "little", signed=True)
+        if offset + 8 > size or numel != storage.numel:
             raise _not_loadable(name, f"storage {key[:80]!r} is truncated or has the wrong size")
         offset += 8 + storage.nbytes
-    if offset > len(mapped):
+    if offset > size:
         raise _not_loadable(name, "the file ends inside its storages")
 
 

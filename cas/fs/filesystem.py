@@ -428,9 +428,23 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return missing
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        """``mkdir`` that tolerates an existing directory when ``exist_ok``."""
+        """``mkdir`` that tolerates an existing directory when ``exist_ok``.
+
+        With ``exist_ok``, a directory that would be a new ref is only remembered here, as an
+        object store's directories are: the ref appears with the first file written into it.
+        ``fsspec.open(path, "wb")`` makes the parent directory before it opens the file, and a
+        write that then fails must leave nothing behind, not an empty checkpoint.
+        """
         path = self._strip_protocol(path)
         if not path:
+            return
+        if exist_ok and self.tree.owner(path)[0] is None and not self.exists(path):
+            try:
+                parse_ref_name(path)
+            except InvalidName as e:
+                raise PermissionError(errno.EACCES, f"cannot create a ref here: {e}", path) from e
+            parts = path.split("/")
+            self.tree.pseudo_dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
             return
         try:
             self.mkdir(path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import io
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -78,9 +79,13 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
     """A file being written: chunked and stored as it streams in, visible once closed.
 
     A writer lease is held from open to commit, so GC spares the chunks stored so far; a lease
-    that expired aborts the commit (invariant 5). A ``with`` block that raises discards the file.
-    ``totals`` adds up what every file of the filesystem wrote.
+    that expired aborts the commit (invariant 5). A file closed while an exception unwinds (a
+    ``with`` block that raised, whether it is ``fs.open``'s or ``fsspec.open``'s, or a ``finally``
+    the error runs through) is discarded, never published half written. ``totals`` adds up what
+    every file of the filesystem wrote.
     """
+
+    closed: bool
 
     def __init__(
         self,
@@ -104,6 +109,9 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         self._writer = self.repo.stream_writer(self.stats)
         self._record: FileRecord | None = None
         self._discarded = False
+        self._error_at_open = sys.exc_info()[1]
+        """The exception being handled when the file was opened (an error report written from
+        an ``except`` block): closing while it is still handled is an ordinary close."""
 
     def _upload_chunk(self, final: bool = False) -> bool:
         if self._lease is not None:
@@ -145,13 +153,29 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
             self._lease.release()
             self._lease = None
 
+    def close(self) -> None:
+        """Finish and publish the file (unless in a transaction); discard it instead when an
+        exception is unwinding through the caller.
+
+        ``fsspec.open``'s ``with`` block closes its files on the way out without saying why, so
+        the exception in flight is the only sign that what was written is not the whole file.
+        """
+        error = sys.exc_info()[1]
+        if not self.closed and error is not None and error is not self._error_at_open:
+            self.abandon()
+            return
+        super().close()
+
+    def abandon(self) -> None:
+        """Close without storing the rest or publishing anything; the file is discarded."""
+        if self.closed:
+            return
+        self.closed = True  # nothing more is flushed: the bytes so far are not the file
+        self.discard()
+
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None and not self.closed:
-            self.autocommit = False  # a write that failed half way never becomes visible
-            try:
-                self.close()
-            finally:
-                self.discard()
+        if exc_type is not None:
+            self.abandon()  # a write that failed half way never becomes visible
             return
         self.close()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pyfastcdc.cy import FastCDC
@@ -56,14 +56,64 @@ def layout_cuts(
 
     Yields ``(cut, region_index)``, region_index ``None`` for gap chunks, in file order.
     """
+
+    def cut_gap(start: int, end: int) -> list[Cut]:
+        return cdc_cuts(data[start:end], cdc_avg, start=start)
+
+    return file_cuts(len(data), regions, chunk_size, cut_gap)
+
+
+GapCutter = Callable[[int, int], Sequence[Cut]]
+"""Cuts the gap ``[start, end)`` of a file by content, however it reads those bytes."""
+
+
+def file_cuts(
+    size: int, regions: Sequence[tuple[int, int]], chunk_size: int, cut_gap: GapCutter
+) -> Iterator[tuple[Cut, int | None]]:
+    """``layout_cuts`` of a file of ``size`` bytes whose gaps ``cut_gap`` cuts, in file order
+    (it is called for each gap when its place comes)."""
     position = 0
     for index, (offset, nbytes) in enumerate(regions):
         if offset > position:
-            for cut in cdc_cuts(data[position:offset], cdc_avg, start=position):
+            for cut in cut_gap(position, offset):
                 yield cut, None
         for cut in fixed_cuts(nbytes, chunk_size, start=offset):
             yield cut, index
         position = max(position, offset + nbytes)
-    if position < len(data):
-        for cut in cdc_cuts(data[position:], cdc_avg, start=position):
+    if position < size:
+        for cut in cut_gap(position, size):
             yield cut, None
+
+
+def windowed_cdc_cuts(
+    read: Callable[[int, int], bytes],
+    start: int,
+    end: int,
+    avg_size: int,
+    window: int,
+    emit: Callable[[bytes, int, list[Cut]], None],
+) -> list[Cut]:
+    """``cdc_cuts`` of the bytes ``[start, end)`` read ``window`` bytes at a time: the same cuts.
+
+    A FastCDC cut depends only on the bytes from the previous cut on, so every cut of a window
+    but the last is final; the last one's bytes are carried into the next window. ``emit``
+    gets each window's bytes, the file offset of their first byte and its final cuts, while
+    the bytes are at hand.
+    """
+    cuts: list[Cut] = []
+    carried = b""
+    at = start
+    while at < end:
+        fresh = read(at, min(window, end - at))
+        data = carried + fresh if carried else fresh
+        data_start = at - len(carried)
+        at += len(fresh)
+        found = cdc_cuts(data, avg_size, start=data_start)
+        final = found if at >= end else found[:-1]
+        if final:
+            emit(data, data_start, final)
+            cuts.extend(final)
+        if at < end:
+            last = found[-1]
+            carried = data[last.offset - data_start :]
+    return cuts

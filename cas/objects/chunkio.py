@@ -12,6 +12,7 @@ from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
 from cas.model.manifest import ChunkRef
 from cas.objects.chunking import Cut
+from cas.objects.private import private_view
 from cas.objects.store import ObjectStore, PutResult
 
 T = TypeVar("T")
@@ -103,10 +104,13 @@ class ChunkIO:
             raise ValueError(f"write_cuts cannot record delta bases; {codec.name} needs one")
 
         def put_one(cut: Cut, hint: EncodeHints) -> ChunkRef:
-            view = data[cut.offset : cut.offset + cut.size]
+            # One private reading serves both puts, so a rewrite stores the bytes just named.
+            view = private_view(data[cut.offset : cut.offset + cut.size])
             result = self.objects.put_chunk(view, codec, hint)
             if result.base is not None:
-                result = self.objects.put_chunk(view, codec, hint, result.digest, replace=True)
+                result = self.objects.put_chunk(
+                    view, codec, hint, expected=result.digest, replace=True
+                )
             stats.add(result)
             if progress is not None:
                 progress(cut.size)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from cas.codecs import Codec, EncodeHints, codec_by_name
 from cas.codecs.bytegroup import MAX_ELEM_SIZE
@@ -36,6 +36,7 @@ from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.objects.chains import STANDALONE, Chain, ChainIndex, ChunkCache, encoding_record
 from cas.objects.chunking import Cut
 from cas.objects.chunkio import Progress, WriteStats
+from cas.objects.private import Encoding, private_view
 from cas.objects.store import ObjectStore, chunk_key
 
 AUTO = "auto"
@@ -110,10 +111,10 @@ def sample_of(data: memoryview, elem: int, budget: int) -> list[tuple[int, int]]
 
 @dataclass(frozen=True)
 class Choice:
-    """A tensor's codec, and the encoded first chunk when the trial covered all of it."""
+    """A tensor's codec, and the encoded chunk when the trial covered all of a ``bytes`` one."""
 
     codec: Codec
-    encoded: tuple[bytes, bytes | memoryview] | None = None
+    encoded: Encoding | None = None
 
 
 def candidates(dtype: str, elem: int, with_base: bool) -> list[Codec]:
@@ -131,14 +132,19 @@ def candidates(dtype: str, elem: int, with_base: bool) -> list[Codec]:
 
 
 def choose_codec(
-    data: memoryview,
+    chunk: bytes | memoryview,
     dtype: str,
     elem: int,
     base: tuple[Digest, memoryview | bytes] | None,
     level: int,
     settings: DeltaSettings,
 ) -> Choice:
-    """The codec that stores a sample of ``data`` in fewest bytes (see the module docstring)."""
+    """The codec that stores a sample of ``chunk`` in fewest bytes (see the module docstring).
+
+    When the trial covers all of a ``bytes`` chunk, the choice carries its encoding, which
+    ``ObjectStore.put_chunk`` reuses when handed the same ``chunk``.
+    """
+    data = memoryview(chunk).cast("B")
     slices = sample_of(data, elem, settings.sample_bytes)
     whole = slices == [(0, len(data))]
     sample = data if whole else memoryview(b"".join(data[o : o + n] for o, n in slices))
@@ -156,7 +162,8 @@ def choose_codec(
         # Candidates come cheapest to decode first; a slower one has to be worth it.
         margin = 0 if best.codec.name == "raw" else settings.decode_margin * len(sample)
         if size < best_size - margin:
-            best, best_size = Choice(codec, encoded if whole else None), size
+            ahead = Encoding(chunk, codec, *encoded) if whole and isinstance(chunk, bytes) else None
+            best, best_size = Choice(codec, ahead), size
     return best
 
 
@@ -170,11 +177,22 @@ def standalone_codec(name: str, elem: int) -> Codec:
     return codec
 
 
+class ByteSource(Protocol):
+    """Bytes read by offset, e.g. a file being ingested: each read is a buffer of its own."""
+
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes from ``offset``."""
+        ...
+
+
 @dataclass(frozen=True)
 class TensorTarget:
-    """One tensor to write: its bytes are ``data`` at ``cuts``; what it may delta against."""
+    """One tensor to write: its bytes are ``data`` at ``cuts``; what it may delta against.
 
-    data: memoryview
+    ``data`` is a buffer in memory, or a ``ByteSource`` read chunk by chunk on the pool.
+    """
+
+    data: memoryview | ByteSource
     cuts: Sequence[Cut]
     dtype: str
     elem_size: int
@@ -189,7 +207,9 @@ class TensorTarget:
     def chunk(self, index: int) -> memoryview:
         """The bytes of one cut."""
         cut = self.cuts[index]
-        return self.data[cut.offset : cut.offset + cut.size]
+        if isinstance(self.data, memoryview):
+            return self.data[cut.offset : cut.offset + cut.size]
+        return memoryview(self.data.read(cut.offset, cut.size))
 
 
 @dataclass(frozen=True)
@@ -198,8 +218,9 @@ class _Plan:
     fallback: Codec
     elem: int
     bases: tuple[Digest, ...] = ()
-    encoded: tuple[int, tuple[bytes, bytes | memoryview]] | None = None
-    """A chunk (by index) that the trial already encoded, whole, with ``codec``."""
+    encoded: tuple[int, Encoding] | None = None
+    """A chunk (by index) that the trial already encoded, whole, with ``codec``: its bytes
+    as read for the trial are what that chunk is stored from."""
 
 
 ChunkResult = tuple[ChunkRef, Chain]
@@ -302,7 +323,9 @@ class TensorWriter:
             return _Plan(fallback, fallback, elem)  # stored already: nothing to choose
         base_data = self._base_bytes(bases[probe]) if bases else None
         base = (bases[probe], base_data) if bases and base_data is not None else None
-        data = target.chunk(probe)
+        data: bytes | memoryview = target.chunk(probe)
+        if len(data) <= 2 * self.settings.sample_bytes:
+            data = bytes(data)  # encoded whole: keep the reading, so it can be stored as is
         choice = choose_codec(data, target.dtype, elem, base, self.level, self.settings)
         delta = choice.codec.needs_base
         encoded = (probe, choice.encoded) if choice.encoded is not None else None
@@ -344,11 +367,18 @@ class TensorWriter:
 
     def _put(self, target: TensorTarget, planned: Future[_Plan], index: int) -> ChunkResult:
         plan = planned.result()
-        view = target.chunk(index)
-        chunk: memoryview | bytes = bytes(view) if self._deltas else view
+        encoded = plan.encoded[1] if plan.encoded and plan.encoded[0] == index else None
+        # One private reading of the chunk serves every put below and the delta cache, so a
+        # source that changes meanwhile still stores bytes that match the name they were given.
+        chunk: bytes | memoryview
+        if encoded is not None:
+            chunk = encoded.source
+        elif self._deltas:
+            chunk = bytes(target.chunk(index))
+        else:
+            chunk = private_view(target.chunk(index))
         codec, hints = plan.codec, EncodeHints(elem_size=plan.elem, level=self.level)
         chain = STANDALONE
-        encoded = plan.encoded[1] if plan.encoded and plan.encoded[0] == index else None
         if codec.needs_base:
             delta = self._delta_hints(plan.bases[index], hints)
             if delta is None:
@@ -363,7 +393,7 @@ class TensorWriter:
                 # store it standalone under the same identity.
                 hints = EncodeHints(elem_size=plan.elem, level=self.level)
                 result = self.objects.put_chunk(
-                    chunk, plan.fallback, hints, result.digest, replace=True
+                    chunk, plan.fallback, hints, expected=result.digest, replace=True
                 )
             chain = reused or STANDALONE
         elif not codec.needs_base:
@@ -373,7 +403,7 @@ class TensorWriter:
             self.cache.put(result.digest, chunk)
         self.stats.add(result)
         if self.progress is not None:
-            self.progress(len(view))
+            self.progress(result.size)
         return ChunkRef(result.digest, result.size), chain
 
     def _delta_hints(self, base: Digest, hints: EncodeHints) -> tuple[EncodeHints, Chain] | None:

@@ -58,19 +58,19 @@ def recode_chunk(
         if base is not None and not dst.has_chunk(base):
             recode_chunk(src, dst, base, KEEP, _depth=_depth + 1)
         if dst.has_chunk(digest):
-            return dst.put_chunk(data, codec_by_name("raw"), digest=digest)  # refreshes it
+            return dst.put_chunk(data, codec_by_name("raw"), expected=digest)  # refreshes it
         blob = src.blobs.get(chunk_key(digest))
         if not dst.blobs.put_if_absent(chunk_key(digest), blob):
             # Stored meanwhile by another writer, perhaps against another base: report that one.
-            return dst.put_chunk(data, codec_by_name("raw"), digest=digest)
+            return dst.put_chunk(data, codec_by_name("raw"), expected=digest)
         return PutResult(digest, len(data), len(blob), True, base)
     elem = group_size("", elem_size)
     hints = EncodeHints(elem_size=elem, level=level)
     if codec_name == AUTO:
-        view = memoryview(data).cast("B")
-        choice = choose_codec(view, "", elem, None, level, DeltaSettings())
-        return dst.put_chunk(view, choice.codec, hints, digest, encoded=choice.encoded)
-    return dst.put_chunk(data, codec_by_name(codec_name), hints, digest)
+        source = data if isinstance(data, bytes) else bytes(data)
+        choice = choose_codec(source, "", elem, None, level, DeltaSettings())
+        return dst.put_chunk(source, choice.codec, hints, expected=digest, encoded=choice.encoded)
+    return dst.put_chunk(data, codec_by_name(codec_name), hints, expected=digest)
 
 
 def recode_manifest(

@@ -1,25 +1,14 @@
 """Content-addressed objects: hash, encode and put chunks and manifests; get re-hashes and verifies.
 
-Every stored object is an envelope::
-
-    offset  size  field
-    0       4     magic b"CASo"
-    4       1     envelope version (1)
-    5       1     codec id (cas.codecs; ids are never reused)
-    6       2     length P of the codec parameters (u16, little-endian)
-    8       8     decoded size (u64, little-endian)
-    16      P     codec parameters
-    16+P    ...   payload
-
-and is stored under the blake3 digest of its *decoded* bytes, so the key never depends on the
-codec. Chunks live under ``chunks/<d[:2]>/<d>``, manifests under ``manifests/<d[:2]>/<d>``.
+Every stored object is an envelope (``cas.objects.envelope``) stored under the blake3 digest of
+its *decoded* bytes, so the key never depends on the codec. Chunks live under
+``chunks/<d[:2]>/<d>``, manifests under ``manifests/<d[:2]>/<d>``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
-import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,17 +20,22 @@ from cas.digest import Digest, digest_of, digest_of_parts
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
 from cas.objects import inventory
 from cas.objects.buffers import gather, scatter
+from cas.objects.envelope import (
+    HEADER,
+    HEADER_SIZE,
+    MAX_PARAMS,
+    OBJECT_MAGIC,
+    OBJECT_VERSION,
+    RAW_CODEC_ID,
+    encode_header,
+    parse_envelope,
+)
 from cas.objects.keys import ObjectKind, StoredObject, object_key
+from cas.objects.private import Encoding, private_view
 from cas.objects.quarantine import Quarantine, QuarantineRecord
 from cas.objects.sweep import Sweeper, sweeper_for
 
-OBJECT_MAGIC = b"CASo"
-OBJECT_VERSION = 1
-_HEADER = struct.Struct("<4sBBHQ")
-HEADER_SIZE = _HEADER.size
-MAX_PARAMS = 4096
 DEFAULT_HINTS = EncodeHints()
-RAW_CODEC_ID = 0
 MAX_DELTA_DEPTH = 64
 """A base chain deeper than this is treated as corrupt (a cycle or a hostile store)."""
 CREATE_ATTEMPTS = 3
@@ -56,43 +50,6 @@ def chunk_key(digest: Digest) -> str:
 def manifest_key(digest: Digest) -> str:
     """The blob key of a manifest."""
     return object_key(ObjectKind.MANIFEST, digest)
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """A parsed object header."""
-
-    codec_id: int
-    decoded_size: int
-    params: bytes
-    payload_offset: int
-
-
-def parse_envelope(data: bytes | bytearray | memoryview, max_decoded_size: int) -> Envelope:
-    """Parse and bound-check an object header."""
-    if len(data) < HEADER_SIZE:
-        raise FormatError("object shorter than its header")
-    magic, version, codec_id, params_len, decoded_size = _HEADER.unpack_from(data, 0)
-    if magic != OBJECT_MAGIC:
-        raise FormatError("not a cas object (bad magic)")
-    if version != OBJECT_VERSION:
-        raise FormatError(f"object envelope version {version} is not supported (expected 1)")
-    if params_len > MAX_PARAMS or HEADER_SIZE + params_len > len(data):
-        raise FormatError("object header parameters out of bounds")
-    if decoded_size > max_decoded_size:
-        raise FormatError(
-            f"object declares {decoded_size} bytes, above the limit {max_decoded_size}"
-        )
-    params = bytes(data[HEADER_SIZE : HEADER_SIZE + params_len])
-    return Envelope(codec_id, decoded_size, params, HEADER_SIZE + params_len)
-
-
-def encode_header(codec: Codec, params: bytes, decoded_size: int) -> bytes:
-    """The header bytes that precede a payload."""
-    return (
-        _HEADER.pack(OBJECT_MAGIC, OBJECT_VERSION, codec.codec_id, len(params), decoded_size)
-        + params
-    )
 
 
 @dataclass(frozen=True)
@@ -151,16 +108,25 @@ class ObjectStore:
 
     def put_chunk(
         self,
-        data: memoryview | bytes,
+        data: bytes | bytearray | memoryview,
         codec: Codec,
         hints: EncodeHints = DEFAULT_HINTS,
-        digest: Digest | None = None,
         *,
+        expected: Digest | None = None,
         freshen: bool = True,
         replace: bool = False,
-        encoded: tuple[bytes, bytes | memoryview] | None = None,
+        encoded: Encoding | None = None,
     ) -> PutResult:
         """Store one chunk unless present; return its digest, the bytes written and its base.
+
+        This is the one door through which chunks are written, and it keeps invariant 9: the
+        digest is computed here, from the very buffer that is then encoded and written. Bytes
+        (or a view of bytes) cannot change and are used as they are; any other buffer (a tensor,
+        an mmap, a bytearray) is first copied into a private one, so a caller whose memory or
+        file changes meanwhile stores a consistent chunk, never one whose bytes are not its name.
+        ``expected`` is the digest the caller believes the bytes have: IntegrityError if not.
+        ``encoded`` is an ``Encoding`` made ahead (a codec trial), used only if it was made from
+        this very ``data`` with this codec.
 
         Presence is learnt from the stored header, which also gives the base an existing chunk
         was delta-encoded against. A chunk found absent is written create-only: if another writer
@@ -168,11 +134,12 @@ class ObjectStore:
         chunk whose header is unreadable (damaged, or an unknown codec) is written again;
         ``replace=True`` always writes, e.g. to re-encode a chunk standalone when its stored base
         chain is broken (safe against any writer: a standalone chunk needs no base). Decoded
-        bytes, hence identity, never change. ``encoded`` is ``codec.encode(data, hints)`` when the
-        caller already has it.
+        bytes, hence identity, never change.
         """
-        view = memoryview(data).cast("B")
-        digest = digest or digest_of(view)
+        view = private_view(data)
+        digest = digest_of(view)
+        if expected is not None and digest != expected:
+            raise IntegrityError(f"bytes given as chunk {expected} hash to {digest}; not stored")
         key = chunk_key(digest)
         if not replace:
             present, base = self._stored_base(key, len(view))
@@ -185,7 +152,10 @@ class ObjectStore:
                     pass  # swept between the header read and touch(): write it again
                 else:
                     return PutResult(digest, len(view), 0, False, base)
-        params, payload = encoded if encoded is not None else codec.encode(view, hints)
+        if encoded is not None and encoded.source is data and encoded.codec is codec:
+            params, payload = encoded.params, encoded.payload
+        else:
+            params, payload = codec.encode(view, hints)
         header = encode_header(codec, params, len(view))
         if replace:
             self.blobs.put(key, (header, payload))
@@ -387,7 +357,7 @@ class ObjectStore:
             raise IntegrityError(f"chunk {digest} is corrupt: shorter than its header")
         # Only the fixed fields are here; other codecs' parameters follow and are checked by
         # get_chunk.
-        magic, version, codec_id, params_len, decoded_size = _HEADER.unpack_from(header, 0)
+        magic, version, codec_id, params_len, decoded_size = HEADER.unpack_from(header, 0)
         fixed = (OBJECT_MAGIC, OBJECT_VERSION, RAW_CODEC_ID, 0)
         if (magic, version, codec_id, params_len) == fixed and decoded_size == size:
             if got != HEADER_SIZE + size or digest_of_parts(outs) != digest:

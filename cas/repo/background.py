@@ -11,7 +11,7 @@ instead of copying it into an aligned buffer. Tensors too small for direct write
 from __future__ import annotations
 
 from cas.blobstore.direct import DIRECT_MIN
-from cas.objects.store import HEADER_SIZE
+from cas.objects.envelope import HEADER_SIZE
 
 STAGING_OFFSET = HEADER_SIZE
 """How far past a page boundary a large staged tensor starts: a raw chunk's header length."""

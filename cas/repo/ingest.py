@@ -7,8 +7,8 @@ are cut by content (FastCDC). Export writes back the very bytes that were ingest
 
 from __future__ import annotations
 
-import mmap
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,26 @@ from cas.digest import Digest
 from cas.errors import FormatError, InvalidName, NotFound
 from cas.formats import inspect_file
 from cas.formats.hfdir import inspect_directory
-from cas.model.manifest import ITEMSIZE, FileEntry, FileRegion, Manifest, TensorEntry, check_meta
+from cas.model.manifest import (
+    ITEMSIZE,
+    ChunkRef,
+    FileEntry,
+    FileRegion,
+    Manifest,
+    TensorEntry,
+    check_meta,
+)
 from cas.names import check_relative_path, parse_ref_name
-from cas.objects.chunking import Cut, layout_cuts
+from cas.objects.chunking import Cut, file_cuts, fixed_cuts, windowed_cdc_cuts
 from cas.objects.chunkio import Progress, WriteStats, wait_all
-from cas.objects.encoding import TensorTarget, TensorWriter
+from cas.objects.encoding import PendingTensor, TensorTarget, TensorWriter
 from cas.repo.core import RepositoryCore
+from cas.repo.inputs import InputChanged, InputFile
+
+CDC_WINDOW_SPANS = 16
+"""A gap is read this many average chunks at a time (at least a chunk's size)."""
+GAP_CHUNKS_IN_FLIGHT = 32
+"""Gap chunks read but not yet stored, at most: a few windows' worth."""
 
 
 def ingest_path(
@@ -40,11 +54,13 @@ def ingest_path(
     """Store a file or directory under ``ref``; see ``Repository.put_path``."""
     name = parse_ref_name(ref)
     source = Path(path)
+    before: os.stat_result | None = None
     if source.is_dir():
         layouts = inspect_directory(source, allow_opaque_pickles=allow_opaque_pickles)
         files = [(rel, source / rel, layout) for rel, layout in layouts]
         kind = "dir"
     elif source.is_file():
+        before = os.stat(source)  # a change while its format is read is a change too
         layout = inspect_file(source, allow_opaque_pickles=allow_opaque_pickles)
         files = [(source.name, source, layout)]
         kind = "file"
@@ -73,6 +89,7 @@ def ingest_path(
             stats,
             progress,
             (writer, parents, rel),
+            before,
         )
     writer.refresh_bases(tensors)
     meta = {**check_meta(metadata), "source": kind, "name": source.name}  # ours win
@@ -99,53 +116,89 @@ def _write_file(
     stats: WriteStats,
     progress: Progress | None,
     delta: tuple[TensorWriter, dict[str, TensorEntry], str],
+    before: os.stat_result | None = None,
 ) -> FileEntry:
+    """Store one file's chunks and describe it; InputChanged if it changed while it was read.
+
+    Region chunks are read on the pool, each into a buffer of its own; the gaps between regions
+    are read here, a window at a time, and cut by content (``cas.repo.inputs``).
+    """
     writer, parents, rel = delta
-    regions = [r for r in layout.regions if r.nbytes > repo.config.inline_max]
-    with path.open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != layout.size:
-            raise FormatError(f"{path} changed while it was being read")
-        mode = os.fstat(f.fileno()).st_mode & 0o777
-        if size == 0:
-            return FileEntry(0, layout.format, (), (), mode)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                cut_list: list[tuple[Cut, int | None]] = list(
-                    layout_cuts(
-                        view,
-                        [(r.offset, r.nbytes) for r in regions],
-                        repo.config.chunk_size,
-                        repo.config.cdc_avg_size,
-                    )
-                )
-                gap_futures = repo.io.write_cuts(
-                    view,
-                    [c for c, i in cut_list if i is None],
-                    codec,
-                    EncodeHints(elem_size=1, level=repo.config.compression_level),
-                    stats,
-                    repo.leases.beat(progress),
-                )
-                submitted = []
-                for index, region in enumerate(regions):
+    config = repo.config
+    regions = [r for r in layout.regions if r.nbytes > config.inline_max]
+    with InputFile(path, before) as source:
+        if source.size != layout.size:
+            raise InputChanged(path, "its size differs from when its format was read")
+        if source.size == 0:
+            return FileEntry(0, layout.format, (), (), source.mode)
+        gaps = _GapWriter(repo, source, codec, stats, repo.leases.beat(progress))
+        submitted: list[PendingTensor] = []
+        cut_list: list[tuple[Cut, int | None]] = []
+        try:
+            spans = [(r.offset, r.nbytes) for r in regions]
+            for cut, index in file_cuts(source.size, spans, config.chunk_size, gaps.cut):
+                cut_list.append((cut, index))
+                if index is not None and index == len(submitted):
+                    region = regions[index]
                     target = TensorTarget(
-                        view,
-                        [c for c, i in cut_list if i == index],
+                        source,
+                        fixed_cuts(region.nbytes, config.chunk_size, start=region.offset),
                         region.dtype,
                         ITEMSIZE.get(region.dtype, 1),
                         parents.get(f"{rel}:{region.name}") or parents.get(region.name),
                     )
                     submitted.append(writer.submit(target))
-                wait_all([*gap_futures, *(f for p in submitted for f in p.futures())])
-            finally:
-                view.release()
+        finally:
+            # Every read ends before the file is closed, whatever failed.
+            wait_all([*gaps.futures, *(f for p in submitted for f in p.futures())])
+        source.check_unchanged()
     file_regions = []
     for region, written in zip(regions, submitted, strict=True):
         file_regions.append(FileRegion(region.name, len(tensors), region.offset))
         tensors.append(writer.entry("torch", written, tuple(region.shape)))
-    gaps = iter([f.result() for f in gap_futures])
+    gap_refs = iter([f.result() for f in gaps.futures])
     regions_chunks = [iter(tensors[r.tensor_index].chunks) for r in file_regions]
-    chunks = [next(gaps) if i is None else next(regions_chunks[i]) for _, i in cut_list]
-    return FileEntry(size, layout.format, tuple(chunks), tuple(file_regions), mode)
+    chunks = [next(gap_refs) if i is None else next(regions_chunks[i]) for _, i in cut_list]
+    return FileEntry(source.size, layout.format, tuple(chunks), tuple(file_regions), source.mode)
+
+
+class _GapWriter:
+    """Reads the gaps of a file a window at a time, cuts them by content and stores the cuts.
+
+    Chunks in flight hold their window's bytes, so beyond ``GAP_CHUNKS_IN_FLIGHT`` of them the
+    reader waits for the oldest: memory stays bounded whatever the file's size.
+    """
+
+    def __init__(
+        self,
+        repo: RepositoryCore,
+        source: InputFile,
+        codec: Codec,
+        stats: WriteStats,
+        progress: Progress | None,
+    ) -> None:
+        self.repo = repo
+        self.source = source
+        self.codec = codec
+        self.hints = EncodeHints(elem_size=1, level=repo.config.compression_level)
+        self.stats = stats
+        self.progress = progress
+        self.futures: list[Future[ChunkRef]] = []
+        self._settled = 0
+
+    def cut(self, start: int, end: int) -> list[Cut]:
+        """Cut and store the gap ``[start, end)``; its cuts."""
+        avg = self.repo.config.cdc_avg_size
+        window = max(avg * CDC_WINDOW_SPANS, self.repo.config.chunk_size)
+        return windowed_cdc_cuts(self.source.read, start, end, avg, window, self._store)
+
+    def _store(self, window: bytes, window_start: int, cuts: list[Cut]) -> None:
+        local = [Cut(c.offset - window_start, c.size) for c in cuts]
+        self.futures.extend(
+            self.repo.io.write_cuts(
+                memoryview(window), local, self.codec, self.hints, self.stats, self.progress
+            )
+        )
+        while len(self.futures) - self._settled > GAP_CHUNKS_IN_FLIGHT:
+            self.futures[self._settled].result()
+            self._settled += 1

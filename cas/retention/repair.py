@@ -124,5 +124,5 @@ def heal(store: ObjectStore, source: ObjectStore, kind: ObjectKind, digest: Dige
     if standalone_and_absent and source.copy(kind, digest, store).created:
         return "copied"
     data = source.get_chunk(digest)  # verified, whatever the source's encoding
-    store.put_chunk(data, codec_by_name("zstd"), digest=digest, replace=True)
+    store.put_chunk(data, codec_by_name("zstd"), expected=digest, replace=True)
     return "rewritten"

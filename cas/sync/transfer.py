@@ -306,7 +306,7 @@ def _reconcile_chains(
         except (NotFound, IntegrityError):
             pass  # swept or damaged since it was found: store a good copy
         data = src.objects.get_chunk(digest)  # verified
-        dst.objects.put_chunk(data, codec_by_name("zstd"), digest=digest, replace=True)
+        dst.objects.put_chunk(data, codec_by_name("zstd"), expected=digest, replace=True)
         return True
 
     if not found:

@@ -1,9 +1,12 @@
-"""FaultyBlobStore: a test wrapper that makes calls fail with TransientBackendError on purpose.
+"""FaultyBlobStore: a test wrapper that makes calls fail on purpose.
 
-Faults come from two sources: a per-method probability drawn from a seeded ``random.Random``
-(so a failing run replays exactly), and faults queued with ``fail_next`` for a test that needs
-one particular call to fail. A write fault may strike *after* the write happened, which is the
-case a retry layer must not mistake for a conflict. Every call and fault is counted.
+Faults come from three sources: a per-method probability drawn from a seeded ``random.Random``
+(so a failing run replays exactly), faults queued with ``fail_next`` for a test that needs
+one particular call to fail, and ``fail_call(n)``, which fails the n-th call from now whatever
+its method, so a test can strike every point of an operation in turn. A write fault may strike
+*after* the write happened, which is the case a retry layer must not mistake for a conflict.
+A fault raises ``TransientBackendError`` unless ``error`` builds another exception (a
+``BackendError`` saying EIO, say, which no retry layer retries). Every call and fault is counted.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TypeVar
 
 from cas.blobstore.base import BlobInfo, BlobStore, BytesLike, Payload, Version
@@ -37,8 +40,10 @@ class FaultyBlobStore(BlobStoreWrapper):
         rates: Mapping[str, float] | None = None,
         after_write: float = 0.0,
         seed: int = 0,
+        error: Callable[[str], Exception] = TransientBackendError,
     ) -> None:
         super().__init__(inner)
+        self.error = error
         self.rate = rate
         self.rates = dict(rates or {})
         self.after_write = after_write
@@ -47,18 +52,33 @@ class FaultyBlobStore(BlobStoreWrapper):
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._queued: dict[str, deque[bool]] = {}
+        self._countdown: tuple[int, frozenset[str] | None] | None = None
 
     def fail_next(self, method: str, count: int = 1, *, after_write: bool = False) -> None:
         """Make the next ``count`` calls of ``method`` fail (after doing it, for writes)."""
         with self._lock:
             self._queued.setdefault(method, deque()).extend([after_write] * count)
 
+    def fail_call(self, index: int, methods: Collection[str] | None = None) -> None:
+        """Make the call ``index`` calls from now (0: the next one) fail before it runs,
+        counting only calls of ``methods`` when given."""
+        with self._lock:
+            self._countdown = (index, frozenset(methods) if methods is not None else None)
+
     def _decide(self, method: str) -> tuple[bool, bool]:
         """Whether this call fails, and if so whether after doing the work."""
         with self._lock:
             self.calls[method] += 1
             queue = self._queued.get(method)
-            if queue:
+            struck = False
+            if self._countdown is not None:
+                left, methods = self._countdown
+                if methods is None or method in methods:
+                    struck = left == 0
+                    self._countdown = None if struck else (left - 1, methods)
+            if struck:
+                fail, after = True, False
+            elif queue:
                 fail, after = True, queue.popleft()
             else:
                 fail = self._rng.random() < self.rates.get(method, self.rate)
@@ -70,10 +90,10 @@ class FaultyBlobStore(BlobStoreWrapper):
     def _run(self, method: str, operation: Callable[[], T]) -> T:
         fail, after = self._decide(method)
         if fail and not after:
-            raise TransientBackendError(f"injected fault before {method} on {self.url}")
+            raise self.error(f"injected fault before {method} on {self.url}")
         result = operation()
         if fail:
-            raise TransientBackendError(f"injected fault after {method} on {self.url}")
+            raise self.error(f"injected fault after {method} on {self.url}")
         return result
 
     def get(self, key: str) -> bytes:
