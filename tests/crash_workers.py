@@ -57,13 +57,24 @@ def put_forever(store: str, work: str) -> None:
         index += 1
 
 
-def push_forever(source: str, dest: str) -> None:
-    """Push the source's refs one at a time, oldest first, skipping those already pushed."""
+def push_forever(source: str, dest: str, work: str) -> None:
+    """Push the source's refs one at a time, oldest first, skipping those already pushed; once
+    every ref is pushed, store the next file in the source (not the store under test) and push it,
+    so the worker never runs out of work before it is killed."""
     src, dst = open_store(source), open_store(dest)
     pushed = set(dst.ref_names())
     for name in src.ref_names():
         if name not in pushed:
             src.push(dst, [name], jobs=4)
+    index = next_index(src, "src/")
+    while True:
+        name = f"src/ckpt_{index:06d}"
+        if name not in pushed:
+            scratch = Path(work) / f"push_{index:06d}"
+            scratch.write_bytes(file_bytes(index))
+            src.put_path(scratch, name)
+            src.push(dst, [name], jobs=4)
+        index += 1
 
 
 def forget_forever(store: str) -> None:

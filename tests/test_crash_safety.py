@@ -164,7 +164,7 @@ def test_sigkill_during_push_to_a_second_store_never_breaks_a_ref(tmp_path: Path
     source, dest = tmp_path / "source", tmp_path / "dest"
     # Only the destination is under test: the source is written without fsync, to start fast.
     src = cas.open(source, config=workers.CONFIG, fsync=False)
-    for index in range(150):
+    for index in range(50):
         src.put_path(_written(tmp_path / "f", workers.file_bytes(index)), f"src/ckpt_{index:06d}")
     workers.open_store(str(dest)).close()
 
@@ -175,8 +175,9 @@ def test_sigkill_during_push_to_a_second_store_never_breaks_a_ref(tmp_path: Path
             assert dst.resolve(name) == src.resolve(name), name
         dst.close()
 
-    killed = _kill_repeatedly(workers.push_forever, (str(source), str(dest)), check, seed=2)
-    assert killed == KILLS_PER_OPERATION  # the source never ran out of refs to push
+    work = str(tmp_path)
+    killed = _kill_repeatedly(workers.push_forever, (str(source), str(dest), work), check, seed=2)
+    assert killed == KILLS_PER_OPERATION  # the worker was still pushing when each kill came
     assert len(workers.open_store(str(dest)).ref_names()) > 5
 
 
