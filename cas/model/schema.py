@@ -112,7 +112,9 @@ def check_tree(tree: Any, tensor_count: int, itemsizes: dict[str, int]) -> None:
         elif tag == "int":
             expect(isinstance(value, str) and _INT_TEXT.match(value) is not None, "bad big int")
         elif tag == "dtype":
-            expect(value in itemsizes, f"unknown dtype {str(value)[:64]!r}")
+            expect(
+                isinstance(value, str) and value in itemsizes, f"unknown dtype {str(value)[:64]!r}"
+            )
         else:
             expect(isinstance(value, str) and _DEVICE.match(value) is not None, "bad device")
 
