@@ -19,6 +19,7 @@ from cas.errors import (
     ReadOnlyError,
     RefConflict,
 )
+from cas.model.limits import ReadLimits
 from cas.repo.opening import default_store_url, open
 from cas.repo.repository import Repository
 
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidName",
     "LeaseExpired",
     "NotFound",
+    "ReadLimits",
     "ReadOnlyError",
     "RefConflict",
     "Repository",

@@ -68,12 +68,12 @@ def push_forever(source: str, dest: str, work: str) -> None:
             src.push(dst, [name], jobs=4)
     index = next_index(src, "src/")
     while True:
-        name = f"src/ckpt_{index:06d}"
-        if name not in pushed:
+        new = f"src/ckpt_{index:06d}"
+        if new not in pushed:
             scratch = Path(work) / f"push_{index:06d}"
             scratch.write_bytes(file_bytes(index))
-            src.put_path(scratch, name)
-            src.push(dst, [name], jobs=4)
+            src.put_path(scratch, new)
+            src.push(dst, [new], jobs=4)
         index += 1
 
 

@@ -81,8 +81,10 @@ class _DeltaCodec(Codec):
     ) -> bytes | memoryview:
         base_digest, table = _split_params(params)
         self.check_elem_size(table.elem_size)
-        delta = decode_grouped(table, payload, decoded_size)
+        # The base first: fetching it may decode a chain, which then need not sit beside this
+        # chunk's decoded delta.
         base = _fetch_base(fetch_base, base_digest, decoded_size)
+        delta = decode_grouped(table, payload, decoded_size)
         return as_view(self.inverse(delta, base, table.elem_size))
 
     def base_of(self, params: bytes) -> Digest | None:

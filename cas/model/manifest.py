@@ -11,8 +11,7 @@ Decoding validates every field and bound, so a hostile or corrupt manifest is a 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +19,23 @@ import msgpack
 
 from cas.digest import Digest, digest_to_bytes, parse_digest
 from cas.errors import FormatError
+from cas.model.schema import (
+    MAX_CHUNK_BYTES,
+    MAX_ELEMENT_BYTES,
+    check_stored_meta,
+    check_tree,
+    expect,
+    is_int,
+    is_name,
+    is_size,
+    numpy_itemsize,
+    shape_bytes,
+)
 from cas.names import check_relative_path
 
 MANIFEST_FORMAT = "cas-manifest"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 512 << 20
-MAX_DIMS = 64
 
 ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -179,121 +189,156 @@ def encode_manifest(manifest: Manifest) -> bytes:
         raise FormatError(f"cannot encode manifest: {e}") from e
 
 
-def _expect(cond: bool, what: str) -> None:
-    if not cond:
-        raise FormatError(f"corrupt manifest: {what}")
-
-
-def _unpack_chunks(raw: Any, total: int | None) -> tuple[ChunkRef, ...]:
-    _expect(isinstance(raw, list), "chunk list is not a list")
+def _unpack_chunks(raw: Any, total: int, refs: dict[int, ChunkRef]) -> tuple[ChunkRef, ...]:
+    expect(isinstance(raw, list), "chunk list is not a list")
     chunks = []
     for item in raw:
-        _expect(isinstance(item, list) and len(item) == 2, "chunk ref is not [digest, size]")
-        digest_raw, size = item
-        _expect(
-            isinstance(digest_raw, bytes) and isinstance(size, int) and size >= 0, "bad chunk ref"
-        )
-        chunks.append(ChunkRef(parse_digest(digest_raw), size))
-    if total is not None:
-        _expect(sum(c.size for c in chunks) == total, "chunk sizes do not add up to the size")
+        # Identical refs share one list (see _share_pairs), so one ChunkRef serves them all.
+        ref = refs.get(id(item))
+        if ref is None:
+            expect(isinstance(item, list) and len(item) == 2, "chunk ref is not [digest, size]")
+            digest_raw, size = item
+            expect(isinstance(digest_raw, bytes), "chunk digest is not bin")
+            expect(is_size(size, MAX_CHUNK_BYTES) and size > 0, f"bad chunk size {size!r}")
+            ref = refs[id(item)] = ChunkRef(parse_digest(digest_raw), size)
+        chunks.append(ref)
+    expect(sum(c.size for c in chunks) == total, "chunk sizes do not add up to the size")
     return tuple(chunks)
 
 
-def _unpack_tensor(raw: Any) -> TensorEntry:
-    _expect(isinstance(raw, dict), "tensor entry is not a map")
-    kind, dtype, shape, nbytes = (
-        raw.get("kind"),
-        raw.get("dtype"),
-        raw.get("shape"),
-        raw.get("nbytes"),
-    )
-    _expect(kind in TENSOR_KINDS, f"unknown tensor kind {kind!r}")
-    _expect(isinstance(dtype, str) and len(dtype) < 64, "bad dtype")
-    _expect(isinstance(shape, list) and len(shape) <= MAX_DIMS, "bad shape")
-    _expect(all(isinstance(d, int) and d >= 0 for d in shape), "bad shape")
-    _expect(isinstance(nbytes, int) and nbytes >= 0, "bad nbytes")
+def _tensor_bytes(kind: Any, dtype: Any, shape: Any) -> int:
+    """The bytes a tensor entry's dtype and shape span."""
+    expect(kind in TENSOR_KINDS, f"unknown tensor kind {str(kind)[:64]!r}")
+    expect(isinstance(dtype, str) and len(dtype) < 64, "bad dtype")
     if kind == "torch":
-        _expect(dtype in ITEMSIZE, f"unknown torch dtype {dtype!r}")
-        _expect(
-            nbytes == math.prod(shape) * ITEMSIZE[dtype], "nbytes does not match dtype and shape"
-        )
-    encoding = raw.get("encoding")
-    _expect(encoding is None or isinstance(encoding, dict), "bad encoding")
-    if encoding is not None:
-        bases = encoding.get("base", [])
-        _expect(isinstance(bases, list), "encoding base is not a list")
-        _expect(all(isinstance(b, (bytes, str)) for b in bases), "bad encoding base digest")
-        for base in bases:
-            parse_digest(base)
+        expect(dtype in ITEMSIZE, f"unknown torch dtype {dtype!r}")
+        return shape_bytes(shape, ITEMSIZE[dtype])
+    if kind == "numpy_scalar":
+        expect(shape == [], "a numpy scalar has a shape")
+    return shape_bytes(shape, numpy_itemsize(dtype))
+
+
+def _unpack_encoding(encoding: Any) -> dict[str, Any] | None:
+    expect(encoding is None or isinstance(encoding, dict), "bad encoding")
+    if encoding is None:
+        return None
+    expect(all(isinstance(k, str) for k in encoding), "bad encoding key")
+    expect(is_name(encoding.get("codec", "raw")), "bad encoding codec")
+    expect(is_size(encoding.get("depth", 0), MAX_CHUNK_BYTES), "bad encoding depth")
+    bases = encoding.get("base", [])
+    expect(isinstance(bases, list), "encoding base is not a list")
+    expect(all(isinstance(b, (bytes, str)) for b in bases), "bad encoding base digest")
+    for base in bases:
+        parse_digest(base)
+    return dict(encoding)
+
+
+def _unpack_tensor(raw: Any, refs: dict[int, ChunkRef]) -> TensorEntry:
+    expect(isinstance(raw, dict), "tensor entry is not a map")
+    kind, dtype, shape, nbytes = (raw.get(k) for k in ("kind", "dtype", "shape", "nbytes"))
+    spanned = _tensor_bytes(kind, dtype, shape)
+    expect(
+        is_int(nbytes) and nbytes == spanned,
+        f"nbytes {str(nbytes)[:32]} is not the {spanned} bytes of a {dtype} {shape}",
+    )
+    encoding = _unpack_encoding(raw.get("encoding"))
     if "inline" in raw:
         inline = raw["inline"]
-        _expect(
+        expect(
             isinstance(inline, bytes) and len(inline) == nbytes, "inline bytes do not match nbytes"
         )
         return TensorEntry(kind, dtype, tuple(shape), nbytes, (), inline, encoding)
-    chunks = _unpack_chunks(raw.get("chunks"), nbytes)
+    chunks = _unpack_chunks(raw.get("chunks"), nbytes, refs)
     return TensorEntry(kind, dtype, tuple(shape), nbytes, chunks, None, encoding)
 
 
-def _unpack_file(raw: Any, tensor_count: int) -> FileEntry:
-    _expect(isinstance(raw, dict), "file entry is not a map")
+def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> FileEntry:
+    expect(isinstance(raw, dict), "file entry is not a map")
     size, fmt, mode = raw.get("size"), raw.get("format"), raw.get("mode", 0o644)
-    _expect(isinstance(size, int) and size >= 0, "bad file size")
-    _expect(isinstance(fmt, str), "bad file format")
-    _expect(isinstance(mode, int) and 0 <= mode <= 0o7777, "bad file mode")
+    expect(is_size(size, MAX_ELEMENT_BYTES), "bad file size")
+    expect(is_name(fmt), "bad file format")
+    expect(is_size(mode, 0o7777), "bad file mode")
+    raw_regions = raw.get("regions", [])
+    expect(isinstance(raw_regions, list), "file regions are not a list")
     regions = []
-    for item in raw.get("regions", []):
-        _expect(isinstance(item, list) and len(item) == 3, "bad file region")
+    for item in raw_regions:
+        expect(isinstance(item, list) and len(item) == 3, "bad file region")
         name, index, offset = item
-        _expect(
-            isinstance(name, str) and isinstance(index, int) and 0 <= index < tensor_count,
-            "bad region",
-        )
-        _expect(isinstance(offset, int) and 0 <= offset <= size, "bad region offset")
+        expect(is_name(name) and is_int(index) and 0 <= index < tensor_count, "bad region")
+        expect(is_size(offset, size), "bad region offset")
         regions.append(FileRegion(name, index, offset))
     return FileEntry(
-        size, fmt, _unpack_chunks(raw.get("chunks"), size), tuple(regions), mode & 0o777
+        size, fmt, _unpack_chunks(raw.get("chunks"), size, refs), tuple(regions), mode & 0o777
     )
 
 
+def _share_pairs() -> Callable[[list[Any]], list[Any]]:
+    """A msgpack list hook that returns one list for every equal ``[digest, size]`` pair.
+
+    A few KB of zstd'd manifest can name one chunk a million times; shared as they are
+    unpacked, the repeats cost a pointer each instead of a list, a bytes and a ChunkRef.
+    """
+    seen: dict[tuple[bytes, int], list[Any]] = {}
+
+    def share(item: list[Any]) -> list[Any]:
+        if len(item) == 2 and type(item[0]) is bytes and type(item[1]) is int:
+            return seen.setdefault((item[0], item[1]), item)
+        return item
+
+    return share
+
+
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate manifest bytes; an unknown format or version is a FormatError."""
-    _expect(len(data) <= MAX_MANIFEST_BYTES, "manifest too large")
+    """Parse and validate manifest bytes; an unknown format or version, or any field out of its
+    bounds (``cas.model.schema``), is a FormatError."""
+    expect(len(data) <= MAX_MANIFEST_BYTES, "manifest too large")
     try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=MAX_MANIFEST_BYTES)
+        doc = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=False,
+            max_bin_len=MAX_MANIFEST_BYTES,
+            list_hook=_share_pairs(),
+        )
     except Exception as e:
         raise FormatError(f"manifest is not valid msgpack: {e}") from e
-    _expect(isinstance(doc, dict), "top level is not a map")
+    expect(isinstance(doc, dict), "top level is not a map")
     if doc.get("format") != MANIFEST_FORMAT:
         raise FormatError("not a cas manifest")
     if doc.get("version") != MANIFEST_VERSION:
         raise FormatError(
-            f"manifest version {doc.get('version')!r} is not supported by this cas "
+            f"manifest version {str(doc.get('version'))[:32]} is not supported by this cas "
             f"(it reads version {MANIFEST_VERSION}); upgrade cas"
         )
     kind = doc.get("kind")
-    _expect(kind in ("state", "files"), f"unknown manifest kind {kind!r}")
+    expect(kind in ("state", "files"), f"unknown manifest kind {str(kind)[:64]!r}")
     raw_tensors = doc.get("tensors", [])
-    _expect(isinstance(raw_tensors, list), "tensors is not a list")
-    tensors = tuple(_unpack_tensor(t) for t in raw_tensors)
+    expect(isinstance(raw_tensors, list), "tensors is not a list")
+    refs: dict[int, ChunkRef] = {}
+    tensors = tuple(_unpack_tensor(t, refs) for t in raw_tensors)
     meta = doc.get("meta", {})
-    _expect(isinstance(meta, dict), "meta is not a map")
+    check_stored_meta(meta)
     parent = doc.get("parent")
+    expect(parent is None or isinstance(parent, (bytes, str)), "bad parent")
     files: dict[str, FileEntry] = {}
+    tree = None
     if kind == "files":
         raw_files = doc.get("files")
-        _expect(isinstance(raw_files, dict), "files is not a map")
+        expect(isinstance(raw_files, dict), "files is not a map")
         for path, entry in raw_files.items():
-            _expect(isinstance(path, str), "file path is not a string")
-            files[check_relative_path(path)] = _unpack_file(entry, len(tensors))
+            expect(isinstance(path, str), "file path is not a string")
+            files[check_relative_path(path)] = _unpack_file(entry, len(tensors), refs)
+    else:
+        tree = doc.get("tree")
+        check_tree(tree, len(tensors), ITEMSIZE)
     created_at = doc.get("created_at", 0.0)
     chunk_size = doc.get("chunk_size", 0)
-    _expect(isinstance(created_at, (int, float)), "bad created_at")
-    _expect(isinstance(chunk_size, int), "bad chunk_size")
+    expect(isinstance(created_at, float) or is_int(created_at), "bad created_at")
+    expect(is_size(chunk_size, MAX_CHUNK_BYTES), "bad chunk_size")
     return Manifest(
         kind=kind,
         tensors=tensors,
-        tree=doc.get("tree"),
+        tree=tree,
         files=files,
         meta=meta,
         created_at=float(created_at),

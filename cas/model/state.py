@@ -225,21 +225,48 @@ def decode_state(
         if select is not None and not select(path):
             return missing
         if tag == "int":
-            return int(node["v"])
+            return _big_int(node.get("v"), path)
         if tag == "dtype":
             return torch_dtype(str(node["v"]))
         if tag == "device":
-            import torch
-
-            return torch.device(str(node["v"]))
-        raise FormatError(f"corrupt manifest: unknown node tag {tag!r} at {path or '/'}")
+            return _device(node.get("v"), path)
+        raise FormatError(f"corrupt manifest: unknown node tag {str(tag)[:64]!r} at {path or '/'}")
 
     result = walk(tree, "")
     return {} if result is missing else result
 
 
+def _big_int(text: Any, path: str) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError) as e:  # ValueError: past the interpreter's digit limit
+        raise FormatError(f"corrupt manifest: bad int at {path or '/'}: {e}") from e
+
+
+def _device(name: Any, path: str) -> torch.device:
+    import torch
+
+    try:
+        return torch.device(str(name))
+    except RuntimeError as e:  # a device type this torch does not know
+        raise FormatError(f"unknown device {str(name)[:64]!r} at {path or '/'}: {e}") from e
+
+
 def tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: torch.Tensor) -> Any:
-    """Build the user-facing object from a flat uint8 CPU tensor holding its bytes."""
+    """Build the user-facing object from a flat uint8 CPU tensor holding its bytes.
+
+    A dtype or shape these bytes cannot hold (a damaged or hostile manifest) is a FormatError.
+    """
+    try:
+        return _tensor_from_bytes(kind, dtype, shape, buffer)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise FormatError(
+            f"corrupt manifest: {len(buffer)} bytes are no {kind} {dtype} of shape {list(shape)}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
+
+
+def _tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: torch.Tensor) -> Any:
     import numpy as np
     import torch
 

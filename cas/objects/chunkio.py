@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any, TypeVar
 
 from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
+from cas.errors import FormatError
 from cas.model.manifest import ChunkRef
 from cas.objects.chunking import Cut
 from cas.objects.private import private_view
@@ -57,7 +59,8 @@ class ChunkIO:
     def __init__(self, objects: ObjectStore, workers: int = 8, readers: int | None = None) -> None:
         self.objects = objects
         self.workers = workers
-        self._read_slots = threading.BoundedSemaphore(readers or workers)
+        self.readers = readers or workers
+        self._read_slots = threading.BoundedSemaphore(self.readers)
         """Verified reads running at once: writes wait on fsync and want every worker, while a
         read from a local disk is CPU work (copy, hash, decode) that more threads than cores only
         slow down."""
@@ -121,23 +124,67 @@ class ChunkIO:
             self.pool.submit(put_one, cut, hint) for cut, hint in zip(cuts, per_cut, strict=False)
         ]
 
-    def read_into(
-        self, chunks: Sequence[ChunkRef], out: memoryview, progress: Progress | None = None
-    ) -> list[Future[None]]:
-        """Submit verified reads of ``chunks`` laid end to end into ``out``."""
+    def read_all(
+        self,
+        jobs: Sequence[tuple[Sequence[ChunkRef], memoryview]],
+        progress: Progress | None = None,
+    ) -> None:
+        """Fill each job's ``out`` with its chunks laid end to end, verified; raise the first
+        failure once every read started has settled.
 
-        def get_one(ref: ChunkRef, offset: int) -> None:
-            with self._read_slots:
-                self.objects.read_chunk_into(ref.digest, out[offset : offset + ref.size])
-            if progress is not None:
-                progress(ref.size)
+        However many chunks a manifest lists, the work queued stays bounded: at most
+        ``2 x readers`` reads wait on the pool, and a chunk named more than once (a run of zeros,
+        or a hostile manifest naming one chunk a million times) is read once, then copied to its
+        other places. Beyond the buffers it fills, a read holds one entry per distinct chunk.
+        """
+        first: dict[Digest, tuple[int, int, int]] = {}
+        """Where each distinct chunk is read to: job, offset, size."""
+        window = threading.BoundedSemaphore(2 * self.readers)
+        errors: list[BaseException] = []
 
-        futures = []
-        offset = 0
-        for ref in chunks:
-            futures.append(self.pool.submit(get_one, ref, offset))
-            offset += ref.size
-        return futures
+        def get_one(ref: ChunkRef, out: memoryview) -> None:
+            try:
+                if not errors:
+                    with self._read_slots:
+                        self.objects.read_chunk_into(ref.digest, out)
+                    if progress is not None:
+                        progress(ref.size)
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                window.release()
+
+        try:
+            for index, (chunks, out) in enumerate(jobs):
+                offset = 0
+                for ref in chunks:
+                    place = first.setdefault(ref.digest, (index, offset, ref.size))
+                    if place[2] != ref.size:
+                        raise FormatError(
+                            f"corrupt manifest: chunk {ref.digest} is listed as {place[2]} and "
+                            f"{ref.size} bytes"
+                        )
+                    if place[:2] == (index, offset):
+                        window.acquire()
+                        if errors:
+                            window.release()
+                            break
+                        self.pool.submit(get_one, ref, out[offset : offset + ref.size])
+                    offset += ref.size
+        finally:
+            for _ in range(2 * self.readers):  # every read started has released its slot
+                window.acquire()
+        if errors:
+            raise errors[0]
+        for index, (chunks, out) in enumerate(jobs):
+            offset = 0
+            for ref in chunks:
+                source, start, size = first[ref.digest]
+                if (source, start) != (index, offset):
+                    out[offset : offset + size] = jobs[source][1][start : start + size]
+                    if progress is not None:
+                        progress(size)
+                offset += size
 
     def iter_chunks(
         self, chunks: Iterable[ChunkRef], prefetch: int = 16
@@ -148,13 +195,17 @@ class ChunkIO:
             with self._read_slots:
                 return self.objects.get_chunk(digest)
 
-        pending: list[Future[bytes | memoryview]] = []
+        pending: deque[Future[bytes | memoryview]] = deque()
+        previous: tuple[Digest, Future[bytes | memoryview]] | None = None
         for ref in chunks:
-            pending.append(self.pool.submit(get_one, ref.digest))
+            # A run of one chunk (zeros, or a hostile list naming it a million times) reads once.
+            if previous is None or previous[0] != ref.digest:
+                previous = (ref.digest, self.pool.submit(get_one, ref.digest))
+            pending.append(previous[1])
             if len(pending) >= prefetch:
-                yield pending.pop(0).result()
-        for future in pending:
-            yield future.result()
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
     def close(self) -> None:
         """Stop the pool."""

@@ -20,7 +20,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from cas.codecs import Codec
+from cas.codecs import Codec, codec_by_id
+from cas.digest import Digest
 from cas.errors import FormatError
 
 OBJECT_MAGIC = b"CASo"
@@ -66,4 +67,23 @@ def encode_header(codec: Codec, params: bytes, decoded_size: int) -> bytes:
     return (
         HEADER.pack(OBJECT_MAGIC, OBJECT_VERSION, codec.codec_id, len(params), decoded_size)
         + params
+    )
+
+
+def decode_level(
+    envelope: Envelope,
+    blob: bytes | bytearray,
+    below: tuple[Digest, bytes | memoryview] | None,
+) -> bytes | memoryview:
+    """Decode one object of a chain; ``below`` is its base, already decoded (None at the root)."""
+
+    def base(digest: Digest) -> bytes | memoryview:
+        # The headers walked before named this base; a blob rewritten since names another.
+        if below is None or below[0] != digest:
+            raise FormatError(f"delta base {digest} is not the one its chain named")
+        return below[1]
+
+    codec = codec_by_id(envelope.codec_id)
+    return codec.decode(
+        envelope.params, memoryview(blob)[envelope.payload_offset :], envelope.decoded_size, base
     )

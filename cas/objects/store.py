@@ -27,6 +27,8 @@ from cas.objects.envelope import (
     OBJECT_MAGIC,
     OBJECT_VERSION,
     RAW_CODEC_ID,
+    Envelope,
+    decode_level,
     encode_header,
     parse_envelope,
 )
@@ -308,24 +310,12 @@ class ObjectStore:
             self.blobs.drop_cached(chunk_key(current))
 
     def _verified(self, digest: Digest, blob: bytes | bytearray) -> bytes | memoryview:
-        decoded = self._decode(digest, blob, 0)
+        decoded = self._decode(digest, blob)
         if digest_of(decoded) != digest:
             raise IntegrityError(
                 f"chunk {digest} is corrupt: its bytes (or a delta base's) hash to something else"
             )
         return decoded
-
-    def _get_base(self, digest: Digest, depth: int) -> bytes | memoryview:
-        """A delta base's decoded bytes, checked only through the chunk built on it.
-
-        A missing base is an IntegrityError: the chunk that names it is there but cannot be
-        rebuilt, whether its header names the wrong base or the base itself was lost.
-        """
-        try:
-            blob = self.blobs.get(chunk_key(digest))
-        except NotFound as e:
-            raise IntegrityError(f"delta base {digest} is missing from the store") from e
-        return self._decode(digest, blob, depth)
 
     def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
         """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes."""
@@ -372,21 +362,53 @@ class ObjectStore:
             return True
         return False
 
-    def _decode(self, digest: Digest, blob: bytes | bytearray, depth: int) -> bytes | memoryview:
-        if depth > MAX_DELTA_DEPTH:
-            raise IntegrityError(f"chunk {digest}: delta chain deeper than {MAX_DELTA_DEPTH}")
+    def _decode(self, digest: Digest, blob: bytes | bytearray) -> bytes | memoryview:
+        """The decoded bytes of a stored object, unverified; a delta is rebuilt from the bottom of
+        its base chain up.
+
+        The chain is walked by headers first (one small read per hop), refusing loops, chains
+        deeper than MAX_DELTA_DEPTH and bases of another size, so nothing is decompressed for a
+        chain that cannot be rebuilt. Each level is then decoded on the one below, so a read
+        holds one base, one payload and one result at a time, however deep the chain.
+        """
         try:
             envelope = parse_envelope(blob, self.max_object_size)
-            codec = codec_by_id(envelope.codec_id)
-            payload = memoryview(blob)[envelope.payload_offset :]
-            return codec.decode(
-                envelope.params,
-                payload,
-                envelope.decoded_size,
-                lambda base: self._get_base(base, depth + 1),
-            )
+            chain = self._base_chain(digest, envelope)
+            below: tuple[Digest, bytes | memoryview] | None = None
+            for base in reversed(chain):
+                try:
+                    base_blob = self.blobs.get(chunk_key(base))
+                except NotFound as e:
+                    raise IntegrityError(f"delta base {base} is missing from the store") from e
+                base_envelope = parse_envelope(base_blob, self.max_object_size)
+                below = (base, decode_level(base_envelope, base_blob, below))
+                del base_blob  # only the decoded base is needed from here up
+            return decode_level(envelope, blob, below)
         except FormatError as e:
             raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
+
+    def _base_chain(self, digest: Digest, envelope: Envelope) -> list[Digest]:
+        """The bases a stored object needs, nearest first, from their headers alone."""
+        chain: list[Digest] = []
+        base = codec_by_id(envelope.codec_id).base_of(envelope.params)
+        while base is not None:
+            if base == digest or base in chain or len(chain) >= MAX_DELTA_DEPTH:
+                raise IntegrityError(
+                    f"chunk {digest}: delta chain loops or is deeper than {MAX_DELTA_DEPTH}"
+                )
+            chain.append(base)
+            try:
+                head = self.blobs.get_range(chunk_key(base), 0, HEADER_SIZE + MAX_PARAMS)
+            except NotFound as e:
+                raise IntegrityError(f"delta base {base} is missing from the store") from e
+            found = parse_envelope(head, self.max_object_size)
+            if found.decoded_size != envelope.decoded_size:
+                raise FormatError(
+                    f"delta base {base} holds {found.decoded_size} bytes, "
+                    f"the chunk {envelope.decoded_size}"
+                )
+            base = codec_by_id(found.codec_id).base_of(found.params)
+        return chain
 
     def chunk_base(self, digest: Digest) -> Digest | None:
         """The base chunk a delta-encoded chunk depends on, read from its header only."""
@@ -416,7 +438,7 @@ class ObjectStore:
             missing = NotFound(f"manifest {digest} is missing from the store")
             raise self._missing(ObjectKind.MANIFEST, digest, missing) from e
         try:
-            decoded = bytes(self._decode(digest, blob, 0))
+            decoded = bytes(self._decode(digest, blob))
             if digest_of(decoded) != digest:
                 raise IntegrityError(
                     f"manifest {digest} is corrupt: its bytes hash to something else"

@@ -19,6 +19,7 @@ from cas.blobstore import BlobStore
 from cas.codecs import Codec, codec_by_name
 from cas.digest import Digest
 from cas.errors import CASError
+from cas.model.limits import ReadLimits
 from cas.model.manifest import (
     Manifest,
     TensorEntry,
@@ -93,12 +94,15 @@ class RepositoryCore(RefOperations):
         clock: Callable[[], float] = time.time,
         workers: int = 8,
         owns_blobs: bool = True,
+        read_limits: ReadLimits | None = None,
     ) -> None:
         self.blobs = blobs
         self.owns_blobs = owns_blobs
         """Whether ``close`` closes the store too (not for a view sharing another's store)."""
         self.config = config
         self.clock = clock
+        self.read_limits = read_limits or ReadLimits.from_env(os.environ)
+        """What one read may allocate, whatever a manifest declares (``ReadLimits``)."""
         self.objects = ObjectStore(blobs, max_object_size=max(config.chunk_size, 64 << 20) + 4096)
         self.leases = LeaseManager(blobs, clock, LeaseSettings.from_config(config.extra))
         self.maintenance = MaintenanceService(blobs, clock, self.leases)

@@ -49,9 +49,11 @@ def open(
     writing probes for conditional writes and refuses a server without them, unless
     ``single_writer=True`` says no other process writes it. ``filesystem=`` (an fsspec
     filesystem, such as an ``s3fs.S3FileSystem`` configured elsewhere) opens ``url`` as a path
-    on that filesystem (``cas.blobstore.fsspec_store``).
+    on that filesystem (``cas.blobstore.fsspec_store``). ``read_limits=`` (``cas.ReadLimits``)
+    caps what one read allocates, whatever a manifest declares (default: from the environment).
     """
     cache = options.pop("cache", None)
+    read_limits = options.pop("read_limits", None)
     single_writer = bool(options.pop("single_writer", False))
     blobs = open_for_use(
         url if url is not None else default_store_url(),
@@ -76,7 +78,7 @@ def open(
         write_config(blobs, existing)
     if readonly:
         blobs = ReadOnlyBlobStore(blobs)
-    return Repository(blobs, existing, clock=clock)
+    return Repository(blobs, existing, clock=clock, read_limits=read_limits)
 
 
 CACHED_PREFIXES = ("chunks/", "manifests/")

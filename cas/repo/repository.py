@@ -11,14 +11,13 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
 from cas.errors import FormatError, NotFound
 from cas.model.describe import DiffEntry, diff_manifests, tensor_table
-from cas.model.manifest import Manifest, TensorEntry, decode_manifest
+from cas.model.manifest import ChunkRef, Manifest, TensorEntry, decode_manifest
 from cas.model.state import (
     buffer_over,
     byte_buffer,
@@ -29,7 +28,7 @@ from cas.model.state import (
     writable_view,
 )
 from cas.names import parse_ref_name
-from cas.objects.chunkio import Progress, wait_all
+from cas.objects.chunkio import Progress
 from cas.objects.keys import ObjectKind
 from cas.refs.leases import leased
 from cas.repo.core import RepositoryCore
@@ -66,6 +65,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             clock=self.clock,
             workers=workers,
             owns_blobs=False,
+            read_limits=self.read_limits,
         )
 
     def save_shard(self, state: Any, run_id: str, rank: int, world_size: int, **kw: Any) -> Digest:
@@ -152,7 +152,9 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         progress: Progress | None,
     ) -> dict[int, Any]:
         buffers: dict[int, torch.Tensor] = {}
-        futures: list[Future[None]] = []
+        jobs: list[tuple[Sequence[ChunkRef], memoryview]] = []
+        indices = list(indices)
+        self.read_limits.check(manifest.tensors[i].nbytes for i in indices)
         for index in indices:
             entry = manifest.tensors[index]
             if entry.inline is not None:
@@ -165,8 +167,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             buffer = byte_buffer(entry.nbytes)
             buffers[index] = buffer
             if entry.nbytes:
-                futures.extend(self.io.read_into(entry.chunks, writable_view(buffer), progress))
-        wait_all(futures)
+                jobs.append((entry.chunks, writable_view(buffer)))
+        self.io.read_all(jobs, progress)
         out: dict[int, Any] = {}
         for index, buffer in buffers.items():
             entry = manifest.tensors[index]
@@ -188,6 +190,9 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         progress: Progress | None,
     ) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        self.read_limits.check(
+            e.size for p, e in manifest.files.items() if not e.regions and (not select or select(p))
+        )
         for path, entry in manifest.files.items():
             if entry.regions:
                 names = {r.name: r.tensor_index for r in entry.regions}
@@ -222,6 +227,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
                 raise FormatError(
                     f"{ref} holds ingested files; they are written back as they were (drop --format)"
                 )
+            self.read_limits.check(e.size for e in manifest.files.values())
             return export_files(
                 self.io, manifest, Path(dest), sha256=sha256, overwrite=overwrite, progress=progress
             )
