@@ -266,8 +266,9 @@ def test_verify_full_reports_a_tensor_entry_whose_size_disagrees_with_its_chunk(
     repo.save({"w": torch.randn(CHUNK // 4)}, "honest")
     real = repo.manifest("honest")
     digest = real.tensors[0].chunks[0].digest
-    # A manifest that claims one 4 KiB chunk holds a 16 GiB tensor.
-    big = 16 << 30
+    # A manifest that claims one 4 KiB chunk holds a 1 GiB tensor (the largest chunk size a
+    # manifest may declare).
+    big = 1 << 30
     tensor = real.tensors[0]
     lying = Manifest(
         kind="state",
