@@ -121,7 +121,7 @@ def cli(ctx: click.Context, store: str | None, endpoint_url: str | None, quiet: 
       cas put checkpoint-500/ runs/r1/checkpoint-500     ingest an HF checkpoint directory
       cas get runs/r1/checkpoint-500 restored/ --sha256   write it back byte-identical
       cas ls runs/r1 --json                                list refs for scripts
-      cas cp runs/r1/ckpt_step00045000 gates/bc_best       a gate copy: writes no chunk
+      cas cp runs/r1/ckpt_step00045000 runs/r1/gates/bc_best   a gate copy: writes no chunk
       cas verify --full                                    re-hash every chunk
     """
     quiet = quiet or (not sys.stderr.isatty() and os.environ.get("CAS_PROGRESS") != "1")

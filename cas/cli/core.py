@@ -324,12 +324,22 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     metavar="GLOB",
     help="Keep only entries matching (e.g. 'model.*'): a weights-only snapshot.",
 )
+@click.option(
+    "-f",
+    "--force",
+    is_flag=True,
+    help="Replace DST even if it is a gate, a best pointer or a ref the policy protects.",
+)
 @json_option
 @pass_ctx
-def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], as_json: bool) -> None:
-    """Point DST at SRC's checkpoint: a gate or pool copy that writes no chunk."""
+def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Point DST at SRC's checkpoint: a gate or pool copy that writes no chunk.
+
+    A gate (gates/**, runs/*/gates/*), a best pointer or a ref the stored retention policy
+    protects is never replaced without --force.
+    """
     repo = obj.open(create=False)
-    digest = repo.cp(src, dst, only=list(only) or None)
+    digest = repo.cp(src, dst, only=list(only) or None, overwrite=force)
     if as_json:
         emit_json({"ref": dst, "manifest": digest})
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
-from cas.errors import FormatError, NotFound
+from cas.errors import AlreadyExists, FormatError, NotFound
 from cas.model.describe import DiffEntry, diff_manifests, tensor_table
 from cas.model.manifest import Manifest, TensorEntry, decode_manifest
 from cas.model.state import (
@@ -232,15 +232,29 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
 
     @leased
     def cp(
-        self, src: str, dst: str, *, only: str | Sequence[str] | None = None, message: str = ""
+        self,
+        src: str,
+        dst: str,
+        *,
+        only: str | Sequence[str] | None = None,
+        message: str = "",
+        overwrite: bool = False,
     ) -> Digest:
         """Point ``dst`` at what ``src`` names (writes no chunk); ``only`` keeps matching entries.
 
-        The source's manifest and chunks are touched under a writer lease first: ``src`` may be
-        a history entry or a digest GC found unreachable, or a ref deleted meanwhile, and a GC
-        sweeping now must spare what ``dst`` is about to name.
+        A gate, a ``best`` pointer or a ref the stored policy protects (``ref_protection``) that
+        already names another checkpoint is replaced only with ``overwrite=True``; otherwise
+        AlreadyExists, and nothing moves (checked by compare-and-swap, so a racing copy cannot
+        slip in between). The source's manifest and chunks are touched under a writer lease
+        first: ``src`` may be a history entry or a digest GC found unreachable, or a ref deleted
+        meanwhile, and a GC sweeping now must spare what ``dst`` is about to name.
         """
         parse_ref_name(dst)
+        expected: Digest | Any | None = _ANY
+        protection = None if overwrite else self.ref_protection(dst)
+        if protection is not None:
+            current = self.find_ref(dst)
+            expected = current.target if current is not None else None
         digest = self.resolve(src)
         manifest = decode_manifest(self.objects.get_manifest(digest))
         for kind, digests in (
@@ -257,10 +271,10 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
 
             patterns = [only] if isinstance(only, str) else list(only)
             sub = subset_manifest(manifest, patterns, parent=digest, created_at=self.clock())
-            return self.commit(
-                sub, dst, op="cp", message=message or f"cp {src} --only {' '.join(patterns)}"
-            )
-        self.set_ref(dst, digest, op="cp", message=message or f"cp {src}")
+            digest = self.put_manifest(sub)
+            message = message or f"cp {src} --only {' '.join(patterns)}"
+        _refuse_replacing(dst, protection, expected, digest)
+        self.set_ref(dst, digest, expected=expected, op="cp", message=message or f"cp {src}")
         return digest
 
     def show(self, ref: str) -> dict[str, Any]:
@@ -292,3 +306,13 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def diff(self, a: str, b: str) -> list[DiffEntry]:
         """Entries that differ between two checkpoints, compared by chunk digests, not bytes."""
         return diff_manifests(self.manifest(a), self.manifest(b))
+
+
+def _refuse_replacing(dst: str, protection: str | None, current: Any, digest: Digest) -> None:
+    """AlreadyExists if ``dst`` is protected and names a checkpoint other than ``digest``."""
+    if protection is None or current is None or current == digest:
+        return
+    raise AlreadyExists(
+        f"{dst} is {protection} and already names {current[:16]}; "
+        "replace it explicitly (overwrite=True, `cas cp --force`)"
+    )

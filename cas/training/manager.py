@@ -6,7 +6,7 @@ Refs follow a run-id, phase and step layout by default (``Layout`` changes it)::
     runs/<id>/latest              the newest save of the run (its history lists every save)
     runs/<id>/phase<N>/best       the best save of the phase by ``best=(metric, "min"|"max")``
     runs/<id>/history             the append-only training history (``cas.training.history``)
-    gates/<name>                  ``promote_gate``: a copy that retention never prunes
+    runs/<id>/gates/<name>        ``promote_gate``: a copy that retention never prunes
 
 A saved manifest's tree is ``{"state": <your state>, "rng": <cas.training.rng.capture()>}`` and its meta
 holds step, phase, metrics, status (``running``/``interrupted``/``completed``), trigger and the
@@ -468,17 +468,25 @@ class CheckpointManager:
             return None
         return record.history[-1].message or pointer
 
-    def promote_gate(self, name: str, source: str | None = None) -> Digest:
+    def gate_ref(self, name: str) -> str:
+        """The ref of this run's gate ``name`` (``runs/<id>/gates/<name>`` by default)."""
+        return self.layout.gate.format(name=name, run=self.run, phase=self.phase)
+
+    def promote_gate(
+        self, name: str, source: str | None = None, *, overwrite: bool = False
+    ) -> Digest:
         """Copy ``source`` (default: this phase's best, else latest) to the gate ``name``.
 
         A gate is a ref of its own (no chunk is written), so pruning checkpoints never removes
-        it; retention policies protect ``gates/**``.
+        it when the policy protects it (``runs/*/gates/*``). A gate that already names another
+        checkpoint is replaced only with ``overwrite=True``; otherwise AlreadyExists.
         """
         self.wait()
         if source is None:
             source = self.best_ref if self._read_target(self.best_ref) else self.latest_ref
-        gate = self.layout.gate.format(name=name, run=self.run, phase=self.phase)
-        return self.repo.cp(source, gate, message=f"gate {name} from {source}")
+        return self.repo.cp(
+            source, self.gate_ref(name), message=f"gate {name} from {source}", overwrite=overwrite
+        )
 
     def load_gate(
         self,
@@ -489,7 +497,7 @@ class CheckpointManager:
         map_location: str | torch.device | None = None,
     ) -> Any:
         """Load a gate strictly: no fallback, and any key mismatch with ``template`` is an error."""
-        gate = self.layout.gate.format(name=name, run=self.run, phase=self.phase)
+        gate = self.gate_ref(name)
         tree, meta = load_checkpoint(self.repo, gate, keys, map_location, with_rng=False)
         state = unwrap(tree, meta)
         if template is not None:
