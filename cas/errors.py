@@ -11,6 +11,10 @@ class NotFound(CASError, FileNotFoundError):
     """A blob, object, manifest or ref that does not exist."""
 
 
+class NothingSelected(NotFound):
+    """A selection (``keys=``, ``--only``, a ref selector) matched nothing: a typo, not damage."""
+
+
 class AlreadyExists(CASError, FileExistsError):
     """A create-only write found something already there."""
 
@@ -37,6 +41,22 @@ class LockHeld(CASError):
 
 class FormatError(CASError):
     """A store, object, manifest or file is malformed or of an unknown version."""
+
+
+class RefusedPickle(FormatError):
+    """A file whose pickle weights-only loading would refuse (or cannot read); never unpickled."""
+
+    def __init__(self, file: str, problem: str, reason: str, *, option: str = "") -> None:
+        self.file, self.problem, self.reason = file, problem, reason
+        option = option or "allow_opaque_pickles=True"
+        super().__init__(
+            f"refusing to load {file}: {problem} ({reason}); "
+            f"{option} stores it as opaque bytes, never loaded"
+        )
+
+    def for_option(self, option: str) -> RefusedPickle:
+        """The same refusal, naming ``option`` (a CLI flag) as the way to store it anyway."""
+        return RefusedPickle(self.file, self.problem, self.reason, option=option)
 
 
 class InvalidName(CASError, ValueError):

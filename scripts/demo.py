@@ -107,7 +107,7 @@ def main() -> None:
                 f"{human_bytes(repo.last_write.logical_bytes)} logical, "
                 f"{human_bytes(repo.last_write.new_bytes)} new"
             )
-    repo.cp(f"{run}/best", "gates/demo_best")
+    repo.cp(f"{run}/best", f"{run}/gates/demo_best")
     repo.cp(f"{run}/latest", f"{run}/weights_only", only="model.*")
 
     restored = repo.load(f"{run}/latest")

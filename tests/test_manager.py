@@ -516,7 +516,7 @@ def test_gate_copy_survives_fifo_pruning_and_loads_strictly(repo: cas.Repository
         extra_template = {"model": {**make_model()[0].state_dict(), "head.bias": torch.zeros(2)}}
         with pytest.raises(StrictLoadError, match=r"1 missing: model\.head\.bias"):
             mgr.load_gate("bc_best", keys="model.*", template=extra_template)
-    assert repo.refs("gates/bc_best")
+    assert repo.refs("runs/r1/gates/bc_best")
 
 
 def test_phase_transition_warm_start_from_a_gate_is_strict(repo: cas.Repository) -> None:
@@ -526,13 +526,15 @@ def test_phase_transition_warm_start_from_a_gate_is_strict(repo: cas.Repository)
         mgr.promote_gate("bc_best")
     with manager(repo, phase=2) as mgr:
         restored = mgr.restore(
-            "warm_start", source="gates/bc_best", keys="model.*",
+            "warm_start", source="runs/r1/gates/bc_best", keys="model.*",
             template={"model": make_model()[0].state_dict()},
         )  # fmt: skip
         assert restored.phase == 1 and mgr.phase == 2
         renamed = {"model": {f"student.{k}": v for k, v in make_model()[0].state_dict().items()}}
         with pytest.raises(StrictLoadError, match=r"4 missing.*4 unexpected"):
-            mgr.restore("warm_start", source="gates/bc_best", keys="model.*", template=renamed)
+            mgr.restore(
+                "warm_start", source="runs/r1/gates/bc_best", keys="model.*", template=renamed
+            )
 
 
 def test_sigterm_in_process_saves_the_completed_step_and_marks_the_run(
@@ -632,10 +634,10 @@ def test_a_fifo_policy_keeps_the_newest_checkpoints_and_spares_the_best_one_a_ga
         rules=(
             Rule(
                 select="runs/*/phase*/ckpt_*", max_count=3,
-                protect_targets_of=("runs/*/phase*/best", "gates/**"),
+                protect_targets_of=("runs/*/phase*/best", "runs/*/gates/*"),
             ),
         ),
-        protect=("gates/**",),
+        protect=("runs/*/gates/*",),
     )  # fmt: skip
     model, opt = make_model()
     losses = [3.0, 0.5, 2.0, 2.5, 2.2, 2.1, 2.4, 2.6]
@@ -651,10 +653,10 @@ def test_a_fifo_policy_keeps_the_newest_checkpoints_and_spares_the_best_one_a_ga
     # two newest of the rest survive the FIFO.
     kept = [r.name.rsplit("_", 1)[-1] for r in repo.refs("runs/r1/phase1/ckpt_*")]
     assert kept == ["step00000002", "step00000007", "step00000008"]
-    assert repo.resolve("gates/bc_best") == repo.resolve("runs/r1/phase1/best")
+    assert repo.resolve("runs/r1/gates/bc_best") == repo.resolve("runs/r1/phase1/best")
     best_target = repo.resolve("runs/r1/phase1/best")
     assert best_target == repo.resolve("runs/r1/phase1/ckpt_phase1_step00000002")
-    assert repo.load("gates/bc_best", keys="state.model.*")["state"]["model"]
+    assert repo.load("runs/r1/gates/bc_best", keys="state.model.*")["state"]["model"]
 
 
 def test_the_cpu_copy_is_exact_for_every_layout_and_keeps_tied_tensors_tied() -> None:

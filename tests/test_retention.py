@@ -60,7 +60,7 @@ def test_hydra_fifo20_keeps_best_and_gates(tmp_path: Path) -> None:
         phase2.append(ref)
         if rating > best:
             best = rating
-            repo.cp(ref, f"{RUN}/phase2/best")
+            repo.cp(ref, f"{RUN}/phase2/best", overwrite=True)  # moving best is deliberate
     repo.cp(f"{RUN}/phase2/best", f"{RUN}/gates/distill_best")
 
     policy = RetentionPolicy(

@@ -11,6 +11,9 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
+import cas
+from cas.training.history import TrainingHistory
+
 # Runs each command in order in one fresh interpreter and reports, per command, whether torch
 # was imported by then; a command that fails is reported too, so a failure names its command.
 _DRIVER = """
@@ -40,6 +43,7 @@ def _commands(tmp_path: Path) -> list[list[str]]:
     torch.save({"exp_avg": torch.randn(64, 64), "step": torch.tensor(3.0)}, checkpoint / "opt.pt")
     torch.save({"w": torch.ones(8)}, src / "legacy.pt", _use_new_zipfile_serialization=False)
     (checkpoint / "trainer_state.json").write_text('{"global_step": 3}')
+    TrainingHistory(cas.open(store), "runs/r1/history").append([{"step": 1, "loss": 0.5}])
     s = ["--store", store]
     return [
         ["--version"],
@@ -51,6 +55,8 @@ def _commands(tmp_path: Path) -> list[list[str]]:
         [*s, "ls", "runs/r1", "--json"],
         [*s, "show", "runs/r1/checkpoint-3"],
         [*s, "log", "runs/r1/model"],
+        [*s, "history", "runs/r1"],
+        [*s, "history", "runs/r1", "--csv"],
         [*s, "du", "-r"],
         [*s, "stats"],
         [*s, "verify", "--full"],

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -58,6 +58,12 @@ class CASGroup(click.Group):
             return parent(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             code = parent(args, prog_name, complete_var, standalone_mode=False, **extra)
+            sys.stdout.flush()  # here, where a reader gone away can still be told apart
+        except BrokenPipeError:
+            _stop_quietly()
+        except click.exceptions.NoArgsIsHelpError as e:  # bare `cas` asks for the help
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
         except click.UsageError as e:  # one line, not click's usage block
             hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
             _fail(f"{e.format_message()}{hint}", code=EXIT_USAGE)
@@ -72,12 +78,24 @@ class CASGroup(click.Group):
             return super().invoke(ctx)
         except CASError as e:
             _fail(f"{type(e).__name__}: {e}")
+        except BrokenPipeError:  # an OSError, but no failure: `cas ls | head -1`
+            _stop_quietly()
         except OSError as e:  # a missing file, no permission, a full or read-only disk...
             _fail(f"{type(e).__name__}: {e.strerror or e}: {e.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
             _fail("interrupted", code=130)
-        except BrokenPipeError:
-            sys.exit(0)
+
+
+def _stop_quietly() -> NoReturn:
+    """The reader of stdout went away (``cas ls | head -1``): stop with status 0 and no message.
+
+    stdout then points at /dev/null, so the interpreter's last flush of what is still buffered
+    has nowhere to fail.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    sys.exit(0)
 
 
 def warn_damaged(damaged: Iterable[object]) -> None:
@@ -86,6 +104,16 @@ def warn_damaged(damaged: Iterable[object]) -> None:
     for item in damaged:
         text = str(item).splitlines()[0] if str(item) else "damaged"
         click.echo(f"cas: warning: cannot read {text}", err=True)
+
+
+def require_refs(repo: Any, selectors: Iterable[str]) -> None:
+    """NothingSelected for the first selector that picks no ref: a mistyped name must fail,
+    not pass as an empty, successful selection."""
+    from cas.errors import NothingSelected
+
+    for selector in selectors:
+        if selector and not repo.ref_names(selector):
+            raise NothingSelected(f"no ref matches {selector!r} (see `cas ls`)")
 
 
 def _fail(message: str, code: int = EXIT_PROBLEM) -> None:
@@ -121,7 +149,7 @@ def cli(ctx: click.Context, store: str | None, endpoint_url: str | None, quiet: 
       cas put checkpoint-500/ runs/r1/checkpoint-500     ingest an HF checkpoint directory
       cas get runs/r1/checkpoint-500 restored/ --sha256   write it back byte-identical
       cas ls runs/r1 --json                                list refs for scripts
-      cas cp runs/r1/ckpt_step00045000 gates/bc_best       a gate copy: writes no chunk
+      cas cp runs/r1/ckpt_step00045000 runs/r1/gates/bc_best   a gate copy: writes no chunk
       cas verify --full                                    re-hash every chunk
     """
     quiet = quiet or (not sys.stderr.isatty() and os.environ.get("CAS_PROGRESS") != "1")

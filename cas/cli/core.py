@@ -18,6 +18,7 @@ from cas.cli.app import (
     json_option,
     pass_ctx,
     progress_bar,
+    require_refs,
     warn_damaged,
 )
 
@@ -116,18 +117,23 @@ def put(
     tensors saved from Python. `.pt` files are checked with weights_only loading: a pickle that
     would run code is refused.
     """
+    from cas.errors import RefusedPickle
+
     metadata = _parse_meta(meta)
     repo = obj.open()
     with progress_bar(obj, _tree_size(path), f"put {path.name}") as update:
-        digest = repo.put_path(
-            path,
-            ref,
-            metadata,
-            allow_opaque_pickles=allow_pickles,
-            codec=codec,
-            parent=parent,
-            progress=update,
-        )
+        try:
+            digest = repo.put_path(
+                path,
+                ref,
+                metadata,
+                allow_opaque_pickles=allow_pickles,
+                codec=codec,
+                parent=parent,
+                progress=update,
+            )
+        except RefusedPickle as e:
+            raise e.for_option("--allow-opaque-pickles") from None
     stats = repo.last_write.as_dict()
     if as_json:
         emit_json({"ref": ref, "manifest": digest, **stats})
@@ -156,7 +162,7 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
 
 @cli.command()
 @click.argument("ref")
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path(path_type=str))
 @click.option(
     "--format",
     "fmt",
@@ -171,11 +177,12 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
 @json_option
 @pass_ctx
 def get(
-    obj: Context, ref: str, dest: Path, fmt: str | None, sha256: bool, force: bool, as_json: bool
+    obj: Context, ref: str, dest: str, fmt: str | None, sha256: bool, force: bool, as_json: bool
 ) -> None:
     """Write REF to DEST: ingested files come back byte-identical.
 
-    REF may be a name, NAME~N (N versions back) or a manifest digest.
+    REF may be a name, NAME~N (N versions back) or a manifest digest. DEST ending in / is a
+    directory (made if needed) that a single file is written into.
     """
     repo = obj.open(create=False)
     manifest = repo.manifest(ref)
@@ -324,12 +331,22 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     metavar="GLOB",
     help="Keep only entries matching (e.g. 'model.*'): a weights-only snapshot.",
 )
+@click.option(
+    "-f",
+    "--force",
+    is_flag=True,
+    help="Replace DST even if it is a gate, a best pointer or a ref the policy protects.",
+)
 @json_option
 @pass_ctx
-def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], as_json: bool) -> None:
-    """Point DST at SRC's checkpoint: a gate or pool copy that writes no chunk."""
+def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Point DST at SRC's checkpoint: a gate or pool copy that writes no chunk.
+
+    A gate (gates/**, runs/*/gates/*), a best pointer or a ref the stored retention policy
+    protects is never replaced without --force.
+    """
     repo = obj.open(create=False)
-    digest = repo.cp(src, dst, only=list(only) or None)
+    digest = repo.cp(src, dst, only=list(only) or None, overwrite=force)
     if as_json:
         emit_json({"ref": dst, "manifest": digest})
     else:
@@ -402,12 +419,14 @@ def verify(
     """Check that REFS (default: all) have their manifest and every chunk; exit 1 on any problem.
 
     --full and --sample move what they find corrupt into the store's quarantine, so the next
-    save of the same data writes it again; --repair-from restores it from another store.
+    save of the same data writes it again; --repair-from restores it from another store. A REF
+    (a name, prefix or glob) that selects no ref is an error.
     """
     if repair_url is not None:
         _verify_and_repair(obj, refs, repair_url, as_json)
         return
     repo = obj.open(create=False, readonly=not (sample or full))
+    require_refs(repo, refs)
     level = "full" if full else "sample" if sample else "existence"
     with progress_bar(obj, None, "verify") as update:
         report = repo.verify(refs or ("",), level=level, sample_pct=sample or 0.0, progress=update)

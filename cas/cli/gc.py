@@ -8,7 +8,16 @@ from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, human_bytes, json_option, pass_ctx, warn_damaged
+from cas.cli.app import (
+    Context,
+    cli,
+    emit_json,
+    human_bytes,
+    json_option,
+    pass_ctx,
+    require_refs,
+    warn_damaged,
+)
 
 
 def _parsed(parse: Callable[[str], Any], value: str | None) -> Any:
@@ -117,9 +126,11 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
 
     logical: bytes a reader gets back; stored: bytes on storage; exclusive: freed if the
     selection were removed (then `cas gc`); shared: stored bytes other refs also need.
-    A ref whose record or manifest cannot be read is named on stderr and not counted.
+    A ref whose record or manifest cannot be read is named on stderr and not counted; a
+    SELECTOR that selects no ref is an error.
     """
     repo = obj.open(create=False, readonly=True)
+    require_refs(repo, [selector])
     report = repo.disk_usage(selector)
     warn_damaged(f"{d} (not counted)" for d in report.damaged)
     if as_json:

@@ -194,7 +194,12 @@ def _policy_from_flags(repo: Any, options: dict[str, Any]) -> Any:
 @click.option(
     "--reflog-window", callback=duration_param, metavar="DURATION", help="With --prune: GC window."
 )
-@click.option("-v", "--verbose", is_flag=True, help="Also list the refs kept, and why.")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Also list the refs kept, and why (--dry-run always does).",
+)
 @json_option
 @pass_ctx
 def forget(
@@ -221,7 +226,7 @@ def forget(
     plan = repo.plan_forget(policy)
     out: dict[str, Any] = {"dry_run": dry_run, "plan": plan.to_dict()}
     if not as_json:
-        for line in plan.summary(show_kept=verbose):
+        for line in plan.summary(show_kept=verbose or dry_run):
             click.echo(line)
     if not dry_run:
         result = plan.execute()

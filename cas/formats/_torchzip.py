@@ -23,7 +23,7 @@ import zlib
 from dataclasses import dataclass
 from typing import IO, BinaryIO
 
-from cas.errors import FormatError
+from cas.errors import FormatError, RefusedPickle
 from cas.formats._pickle_allow import PLAIN_DTYPES
 from cas.formats._pickle_scan import (
     BrokenPickle,
@@ -53,7 +53,6 @@ LEGACY_VERSION = 1001
 
 _LOCAL_HEADER = struct.Struct("<4s2xHH2x2x4x4x4xHH")  # magic, flags, method, name len, extra len
 _LOCAL_MAGIC = b"PK\x03\x04"
-_HINT = "--allow-opaque-pickles (allow_opaque_pickles=True) stores it as opaque bytes, never loaded"
 _ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, EOFError, OSError)
 
 
@@ -160,17 +159,13 @@ def _scan(name: str, stream: IO[bytes], *, storage_id_fields: int) -> ScannedPic
     try:
         return scan_pickle(stream, storage_id_fields=storage_id_fields)
     except UnsafePickle as e:
-        raise FormatError(
-            f"refusing to load {name}: not a weights-only checkpoint ({e}); {_HINT}"
-        ) from None
+        raise RefusedPickle(name, "not a weights-only checkpoint", str(e)) from None
     except BrokenPickle as e:
         raise _not_loadable(name, str(e)) from None
 
 
 def _not_loadable(name: str, reason: str) -> FormatError:
-    return FormatError(
-        f"refusing to load {name}: not a loadable torch checkpoint ({reason}); {_HINT}"
-    )
+    return RefusedPickle(name, "not a loadable torch checkpoint", reason)
 
 
 def _scan_data_pkl(

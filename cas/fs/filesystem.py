@@ -3,7 +3,9 @@
 ``fsspec.open("cas://runs/r1/ckpt_phase2_step00045000/model.safetensors", store="/data/cas")``
 (or with ``$CAS_STORE`` set, no option at all). The store comes from the ``store=`` storage
 option (any URL ``cas.open`` takes; further options such as ``endpoint_url`` go to it), from an
-open ``repo=`` Repository, else ``$CAS_STORE``.
+open ``repo=`` Repository, else ``$CAS_STORE``, else a store that already exists at the default
+place (none is created there: NotFound says how to name one). fsspec's generic options
+(``anon``...) are ignored; any other option the store does not take is a TypeError naming it.
 
 Paths and refs: refs and every prefix of a ref name are directories. A path belongs to the
 *longest ref that is the path or one of its ancestors*; the rest of the path names a file inside
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +53,8 @@ from cas.fs.writes import (
 )
 from cas.names import parse_ref_name
 from cas.objects.chunkio import WriteStats
-from cas.repo.opening import default_store_url
+from cas.repo.config import CONFIG_KEY
+from cas.repo.opening import STORE_ENV, default_store_url
 from cas.repo.opening import open as open_store
 from cas.repo.repository import Repository
 
@@ -61,6 +65,38 @@ def _join(base: str, name: str) -> str:
 
 def _is_under(path: str, root: str) -> bool:
     return not root or path == root or path.startswith(root + "/")
+
+
+IGNORED_OPTIONS = frozenset(
+    {"anon", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous", "loop"}
+)
+"""fsspec options callers pass to any filesystem that mean nothing to a cas store: pandas, for
+one, retries a refused write with ``anon=True``, and failing on that would hide why it was refused."""
+
+
+def _open_for_fsspec(store: str | None, options: dict[str, Any]) -> Repository:
+    """The store behind a ``cas://`` filesystem: ``store=``, else ``$CAS_STORE``, else an existing
+    store at the default place; never a new store nobody asked for in the home directory."""
+    options = {k: v for k, v in options.items() if k not in IGNORED_OPTIONS}
+    if store is None and not os.environ.get(STORE_ENV):
+        default = default_store_url()
+        # Checked here: even opening a local store to look would make its directory.
+        if not os.path.exists(os.path.join(default, CONFIG_KEY)):
+            raise NotFound(
+                f"cas:// needs a store: pass store=URL (a storage option) or set ${STORE_ENV}; "
+                f"there is no store at the default {default} (`cas init` makes one)"
+            )
+        options.setdefault("create", False)
+    try:
+        return open_store(store, **options)
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        known = "store, repo, cache_bytes, ref_cache_ttl, block_size, clock and cas.open's"
+        raise TypeError(
+            f"cas:// does not take the storage option {str(e).rpartition(' ')[2]} for the store "
+            f"at {store or default_store_url()} (it takes {known})"
+        ) from None
 
 
 class _DefaultStore:
@@ -92,7 +128,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
     ) -> None:
         super().__init__(store=store, repo=repo)
         if repo is None:
-            repo = open_store(store, **store_options)
+            repo = _open_for_fsspec(store, store_options)
         self.repo = repo
         self.blocksize = block_size
         self.tree = CheckpointTree(repo, clock, ref_cache_ttl)

@@ -21,7 +21,7 @@ from cas.repo.config import StoreConfig, write_config
 from cas.retention.evictions import eviction_logs, read_evictions
 from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
 from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
-from cas.retention.policy import RETENTION_SECTION, RetentionPolicy
+from cas.retention.policy import RETENTION_SECTION, RetentionPolicy, protection_of
 from cas.retention.repair import RepairReport, repair
 from cas.retention.space import (
     StoreStats,
@@ -58,6 +58,11 @@ class HousekeepingOperations:
     def store_retention_policy(self, policy: RetentionPolicy | None) -> None:
         """Store ``policy`` in the store's config (None removes it)."""
         self.update_config(RETENTION_SECTION, policy.to_dict() if policy is not None else None)
+
+    def ref_protection(self, ref: str) -> str | None:
+        """Why replacing ``ref`` needs an explicit overwrite: a gate, a ``best`` pointer or a
+        ref the stored retention policy protects (``cas.retention.policy.protection_of``)."""
+        return protection_of(ref, self.retention_policy())
 
     def gc_settings(self) -> GCSettings:
         """The GC grace period and reflog window stored in the store (defaults if none)."""

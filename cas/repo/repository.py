@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
-from cas.errors import FormatError, NotFound
+from cas.errors import AlreadyExists, FormatError, NotFound, NothingSelected
 from cas.model.describe import DiffEntry, diff_manifests, tensor_table
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry, decode_manifest
 from cas.model.state import (
@@ -120,19 +120,30 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         """Load what ``ref`` names: the saved state, or ``{path: tensors-or-bytes}`` for files.
 
         ``keys`` are glob patterns over dotted paths (``model.*``, ``optimizer.state.*.exp_avg``);
-        only the chunks of selected tensors are read. ``mmap=True`` maps single-chunk raw tensors
-        of a local store from their files (copy-on-write) instead of reading them.
+        only the chunks of selected tensors are read. Patterns that select nothing at all raise
+        NothingSelected (a NotFound), not an empty state. ``mmap=True`` maps single-chunk raw
+        tensors of a local store from their files (copy-on-write) instead of reading them.
         """
         manifest = self.manifest(ref)
         patterns = [keys] if isinstance(keys, str) else list(keys or [])
-        select = (
-            (lambda p: any(fnmatch.fnmatchcase(p, pat) for pat in patterns)) if patterns else None
-        )
+        matched = False
+
+        def selected(path: str) -> bool:
+            nonlocal matched
+            hit = any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
+            matched = matched or hit
+            return hit
+
+        select = selected if patterns else None
         if manifest.kind == "files":
-            return self._load_files(manifest, select, map_location, progress)
-        wanted = {i for p, i in iter_tensor_paths(manifest.tree) if select is None or select(p)}
-        tensors = self._materialize(manifest, sorted(wanted), map_location, mmap, progress)
-        return decode_state(manifest.tree, tensors.__getitem__, select)
+            out: Any = self._load_files(manifest, select, map_location, progress)
+        else:
+            wanted = {i for p, i in iter_tensor_paths(manifest.tree) if select is None or select(p)}
+            tensors = self._materialize(manifest, sorted(wanted), map_location, mmap, progress)
+            out = decode_state(manifest.tree, tensors.__getitem__, select)
+        if patterns and not matched:
+            _nothing_selected(ref, patterns, manifest)
+        return out
 
     def read_tensors(
         self,
@@ -220,8 +231,14 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         overwrite: bool = False,
         progress: Progress | None = None,
     ) -> list[Path]:
-        """Write what ``ref`` names to ``dest``; return the files written (sidecars included)."""
+        """Write what ``ref`` names to ``dest``; return the files written (sidecars included).
+
+        ``dest`` ending in a slash is a directory, made if it is not there yet: a single file or
+        an exported state is written into it, never to a file of that name.
+        """
         manifest = self.manifest(ref)
+        if os.fspath(dest).endswith(("/", os.sep)):
+            Path(dest).mkdir(parents=True, exist_ok=True)
         if manifest.kind == "files":
             if fmt is not None:
                 raise FormatError(
@@ -238,15 +255,29 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
 
     @leased
     def cp(
-        self, src: str, dst: str, *, only: str | Sequence[str] | None = None, message: str = ""
+        self,
+        src: str,
+        dst: str,
+        *,
+        only: str | Sequence[str] | None = None,
+        message: str = "",
+        overwrite: bool = False,
     ) -> Digest:
         """Point ``dst`` at what ``src`` names (writes no chunk); ``only`` keeps matching entries.
 
-        The source's manifest and chunks are touched under a writer lease first: ``src`` may be
-        a history entry or a digest GC found unreachable, or a ref deleted meanwhile, and a GC
-        sweeping now must spare what ``dst`` is about to name.
+        A gate, a ``best`` pointer or a ref the stored policy protects (``ref_protection``) that
+        already names another checkpoint is replaced only with ``overwrite=True``; otherwise
+        AlreadyExists, and nothing moves (checked by compare-and-swap, so a racing copy cannot
+        slip in between). The source's manifest and chunks are touched under a writer lease
+        first: ``src`` may be a history entry or a digest GC found unreachable, or a ref deleted
+        meanwhile, and a GC sweeping now must spare what ``dst`` is about to name.
         """
         parse_ref_name(dst)
+        expected: Digest | Any | None = _ANY
+        protection = None if overwrite else self.ref_protection(dst)
+        if protection is not None:
+            current = self.find_ref(dst)
+            expected = current.target if current is not None else None
         digest = self.resolve(src)
         manifest = decode_manifest(self.objects.get_manifest(digest))
         for kind, digests in (
@@ -263,10 +294,10 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
 
             patterns = [only] if isinstance(only, str) else list(only)
             sub = subset_manifest(manifest, patterns, parent=digest, created_at=self.clock())
-            return self.commit(
-                sub, dst, op="cp", message=message or f"cp {src} --only {' '.join(patterns)}"
-            )
-        self.set_ref(dst, digest, op="cp", message=message or f"cp {src}")
+            digest = self.put_manifest(sub)
+            message = message or f"cp {src} --only {' '.join(patterns)}"
+        _refuse_replacing(dst, protection, expected, digest)
+        self.set_ref(dst, digest, expected=expected, op="cp", message=message or f"cp {src}")
         return digest
 
     def show(self, ref: str) -> dict[str, Any]:
@@ -298,3 +329,27 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def diff(self, a: str, b: str) -> list[DiffEntry]:
         """Entries that differ between two checkpoints, compared by chunk digests, not bytes."""
         return diff_manifests(self.manifest(a), self.manifest(b))
+
+
+def _refuse_replacing(dst: str, protection: str | None, current: Any, digest: Digest) -> None:
+    """AlreadyExists if ``dst`` is protected and names a checkpoint other than ``digest``."""
+    if protection is None or current is None or current == digest:
+        return
+    raise AlreadyExists(
+        f"{dst} is {protection} and already names {current[:16]}; "
+        "replace it explicitly (overwrite=True, `cas cp --force`)"
+    )
+
+
+def _nothing_selected(ref: str, patterns: list[str], manifest: Manifest) -> None:
+    """NothingSelected naming the patterns and a few of the paths there are."""
+    paths = (
+        sorted(manifest.files)
+        if manifest.kind == "files"
+        else [p for p, _ in iter_tensor_paths(manifest.tree)]
+    )
+    examples = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+    raise NothingSelected(
+        f"keys {', '.join(map(repr, patterns))} match nothing in {ref}"
+        + (f" (it holds {examples})" if examples else "")
+    )

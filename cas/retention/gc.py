@@ -111,6 +111,11 @@ class GCPlan:
     tmp_bytes: int
     expired_leases: tuple[LeaseRecord, ...]
     stores: Stores = field(repr=False, compare=False)
+    waiting_bytes: int = 0
+    """Bytes no current ref needs that GC keeps for now: unreachable objects younger than the
+    grace period, and what only recent manifests or ref history inside the window reach."""
+    waiting_until: float | None = None
+    """When the last of ``waiting_bytes`` becomes collectable (later while a writer lease is live)."""
 
     @property
     def freed_bytes(self) -> int:
@@ -143,6 +148,8 @@ class GCPlan:
             "delete_tmp_bytes": self.tmp_bytes,
             "reap_leases": len(self.expired_leases),
             "freed_bytes": self.freed_bytes,
+            "waiting_bytes": self.waiting_bytes,
+            "waiting_until": self.waiting_until,
         }
         if keys:
             doc.update(
@@ -211,11 +218,22 @@ class GCPlan:
                 f"  live writer lease {lease.writer} ({lease.purpose}) since {_when(lease.started)}: "
                 "what it writes is kept"
             )
+        if self.waiting_bytes and self.waiting_until is not None:
+            lines.append(f"  waiting: {self.waiting_line()}")
         if self.missing_chunks:
             lines.append(
                 f"  WARNING: {self.missing_chunks} reachable chunks are missing; run `cas verify`"
             )
         return lines
+
+    def waiting_line(self) -> str:
+        """What waits for the grace period or the reflog window, and until when."""
+        until = self.waiting_until if self.waiting_until is not None else self.now
+        return (
+            f"{format_size(self.waiting_bytes)} no ref needs, kept by the grace period "
+            f"{format_duration(self.settings.grace)} or the reflog window; collectable by "
+            f"{_when(until)} (in {format_duration(max(0.0, until - self.now))}: run `cas gc` then)"
+        )
 
 
 @dataclass(frozen=True)
@@ -308,12 +326,25 @@ def plan_gc(
         }
         for digest in young:
             roots[digest] = "a recently written manifest"
-        marked, found = _mark(stores, roots, current)
+        # Marked apart, so that what only the grace period or history keeps can be told.
+        needed, found = _mark(stores, {d: roots[d] for d in current}, current)
+        held, found_held = _mark(
+            stores, {d: w for d, w in roots.items() if d not in current}, current
+        )
+        marked, found = needed | held, found + found_held
         deleted_manifests = sorted(
             d for d, (_, mtime) in manifest_infos.items() if d not in roots and mtime < cutoff
         )
-        chunk_scan = _scan_chunks(stores, marked, cutoff)
+        chunk_scan = _scan_chunks(stores, marked, cutoff, held - needed, settings.grace)
         tmp = sweeper.stale_tmp(cutoff)
+        waiting = _Waiting(chunk_scan.waiting_bytes, chunk_scan.waiting_until)
+        for root in roots.keys() - current - segments:
+            if root in manifest_infos:
+                size, mtime = manifest_infos[Digest(root)]
+                history = root not in young
+                waiting.add(
+                    size, now + settings.reflog_window if history else mtime + settings.grace
+                )
     return GCPlan(
         now=now,
         cutoff=cutoff,
@@ -339,6 +370,8 @@ def plan_gc(
         tmp_bytes=sum(size for _, size in tmp),
         expired_leases=expired,
         stores=stores,
+        waiting_bytes=waiting.nbytes,
+        waiting_until=waiting.until,
     )
 
 
@@ -382,6 +415,18 @@ def _mark(stores: Stores, roots: dict[str, str], current: set[str]) -> tuple[set
 
 
 @dataclass
+class _Waiting:
+    """Bytes kept only by time (grace, reflog window), and when the last of them may go."""
+
+    nbytes: int = 0
+    until: float | None = None
+
+    def add(self, size: int, ready: float) -> None:
+        self.nbytes += size
+        self.until = ready if self.until is None else max(self.until, ready)
+
+
+@dataclass
 class _ChunkScan:
     stored: int = 0
     stored_bytes: int = 0
@@ -390,21 +435,31 @@ class _ChunkScan:
     spared_bytes: int = 0
     candidates: list[str] = field(default_factory=list)
     candidate_bytes: int = 0
+    waiting_bytes: int = 0
+    waiting_until: float | None = None
 
 
-def _scan_chunks(stores: Stores, marked: set[str], cutoff: float) -> _ChunkScan:
+def _scan_chunks(
+    stores: Stores, marked: set[str], cutoff: float, held: set[str], grace: float
+) -> _ChunkScan:
+    """Classify every stored chunk; ``held`` are reachable only from roots that time keeps."""
     scan = _ChunkScan()
+    waiting = _Waiting()
     for chunk in stores.objects.list_objects(ObjectKind.CHUNK):
         scan.stored += 1
         scan.stored_bytes += chunk.size
         if chunk.digest in marked:
             scan.reachable_found += 1
+            if chunk.digest in held:
+                waiting.add(chunk.size, chunk.mtime + grace)
         elif chunk.mtime >= cutoff:
             scan.spared += 1
             scan.spared_bytes += chunk.size
+            waiting.add(chunk.size, chunk.mtime + grace)
         else:
             scan.candidates.append(chunk.digest)
             scan.candidate_bytes += chunk.size
+    scan.waiting_bytes, scan.waiting_until = waiting.nbytes, waiting.until
     return scan
 
 

@@ -7,7 +7,7 @@ Within a group, newest first:
 
 - *protected* (never removed, not even by the size budget): the group's latest, ``protect``
   patterns, refs naming the same manifest as a ref matching ``protect_targets_of`` (a ``best``
-  pointer, ``gates/**``), the ``keep_best`` refs by a metric read from ``meta["metrics"][name]``
+  pointer, ``runs/*/gates/*``), the ``keep_best`` refs by a metric read from ``meta["metrics"][name]``
   or ``meta[name]``, anything younger than ``min_age``/``protect_within``, and the newest ref of
   each of the last ``protect_days`` calendar days (today, yesterday...).
 - *kept* by ``keep_last``, ``keep_within``, ``keep_hourly/daily/weekly/monthly`` (restic's
@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from cas.errors import FormatError
+from cas.names import ref_matches
 from cas.units import format_duration, format_size, parse_duration, parse_size
 
 PERIODS: tuple[tuple[str, str], ...] = (
@@ -292,6 +293,36 @@ def rule_from_options(select: str, **options: Any) -> Rule:
 def policy_with(policy: RetentionPolicy, **changes: Any) -> RetentionPolicy:
     """A copy with store-wide settings changed (None leaves one as it is)."""
     return replace(policy, **{k: v for k, v in changes.items() if v is not None})
+
+
+PRECIOUS_REFS: tuple[tuple[str, str], ...] = (
+    ("gates/**", "a gate"),
+    ("**/gates/**", "a gate"),
+    ("**/best", "a best pointer"),
+)
+"""Refs no copy replaces without being told to, whatever policy the store holds."""
+
+
+def protection_of(name: str, policy: RetentionPolicy | None) -> str | None:
+    """Why replacing the ref ``name`` needs an explicit overwrite (None: it does not).
+
+    Gates and ``best`` pointers always do; so does any ref the stored policy protects by name:
+    its ``protect`` patterns, a rule's ``protect`` patterns, and the pointers a rule's
+    ``protect_targets_of`` names (their targets are protected because the pointers matter).
+    """
+    for pattern, what in PRECIOUS_REFS:
+        if ref_matches(name, pattern):
+            return what
+    if policy is None:
+        return None
+    patterns = [*policy.protect]
+    for rule in policy.rules:
+        patterns.extend(rule.protect)
+        patterns.extend(rule.protect_targets_of)
+    for pattern in patterns:
+        if ref_matches(name, pattern):
+            return f"protected by the store's retention policy ({pattern})"
+    return None
 
 
 def zone_of(name: str) -> dt.tzinfo | None:

@@ -26,28 +26,29 @@ HistoryRecord = dict[str, Any]
 """One entry of a training history: ``{"step": int, **values}``, plain values only."""
 
 
-def plain_record(step: int, values: Mapping[str, Any]) -> HistoryRecord:
-    """A record ``{"step": step, **values}`` with tensor and numpy scalars turned into numbers."""
+def plain_record(step: int, values: Mapping[str, Any], *, what: str = "history") -> HistoryRecord:
+    """A record ``{"step": step, **values}`` with tensor and numpy scalars turned into numbers;
+    ``what`` names the values in errors."""
     record: HistoryRecord = {"step": int(step)}
     for key, value in values.items():
         if not isinstance(key, str):
-            raise FormatError(f"history keys must be strings, got {key!r}")
-        record[key] = _plain(value, key)
+            raise FormatError(f"{what} keys must be strings, got {key!r}")
+        record[key] = _plain(value, key, what)
     return record
 
 
-def _plain(value: Any, where: str) -> Any:
+def _plain(value: Any, where: str, what: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
+        return [_plain(v, where, what) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+        return {str(k): _plain(v, f"{where}.{k}", what) for k, v in value.items()}
     scalar = _scalar(value)
     if scalar is not None:
         return scalar
     raise FormatError(
-        f"history value {where!r} is a {type(value).__name__}: use numbers, strings, bools, "
+        f"{what} value {where!r} is a {type(value).__name__}: use numbers, strings, bools, "
         "None, lists and dicts"
     )
 

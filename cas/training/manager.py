@@ -6,7 +6,7 @@ Refs follow a run-id, phase and step layout by default (``Layout`` changes it)::
     runs/<id>/latest              the newest save of the run (its history lists every save)
     runs/<id>/phase<N>/best       the best save of the phase by ``best=(metric, "min"|"max")``
     runs/<id>/history             the append-only training history (``cas.training.history``)
-    gates/<name>                  ``promote_gate``: a copy that retention never prunes
+    runs/<id>/gates/<name>        ``promote_gate``: a copy that retention never prunes
 
 A saved manifest's tree is ``{"state": <your state>, "rng": <cas.training.rng.capture()>}`` and its meta
 holds step, phase, metrics, status (``running``/``interrupted``/``completed``), trigger and the
@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
@@ -34,7 +34,7 @@ from cas.refs.store import RefChange, RefRecord
 from cas.repo.repository import Repository
 from cas.retention.policy import RetentionPolicy
 from cas.training import rng as rng_mod
-from cas.training.async_save import AsyncWriter, Stager, StagingSet, ThreadLender
+from cas.training.async_save import AsyncWriter, Stager, ThreadLender
 from cas.training.compat import (
     ConfigMismatch,
     StrictLoadError,
@@ -54,6 +54,7 @@ from cas.training.restore import (
     unwrap,
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
+from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
 from cas.training.signals import SignalTriggers
 
 if TYPE_CHECKING:
@@ -78,57 +79,6 @@ log = logging.getLogger("cas.training.manager")
 
 CHECKPOINT_SCHEMA = 1
 MODES = ("fresh", "warm_start", "resume", "auto")
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """A committed checkpoint."""
-
-    step: int
-    phase: int
-    ref: str
-    digest: Digest
-    trigger: str
-    status: str
-    is_best: bool
-    blocking_seconds: float
-    write_seconds: float
-    logical_bytes: int
-    new_bytes: int
-    retention_error: str | None = None
-    """Why the retention policy did not run after this save (it is committed all the same)."""
-
-
-class PendingSave:
-    """A save whose copy is taken; ``result()`` waits for it to be committed."""
-
-    def __init__(self, future: Future[SaveResult], step: int, ref: str, blocking: float) -> None:
-        self.future = future
-        self.step = step
-        self.ref = ref
-        self.blocking_seconds = blocking
-
-    def done(self) -> bool:
-        """Whether the save has been committed (or failed)."""
-        return self.future.done()
-
-    def result(self, timeout: float | None = None) -> SaveResult:
-        """Wait for the commit; re-raise its failure."""
-        return self.future.result(timeout)
-
-
-@dataclass
-class _Prepared:
-    tree: dict[str, Any]
-    meta: dict[str, Any]
-    ref: str
-    step: int
-    phase: int
-    trigger: str
-    status: str
-    records: list[HistoryRecord]
-    staging: StagingSet | None
-    blocking: float = 0.0
 
 
 class CheckpointManager:
@@ -194,6 +144,7 @@ class CheckpointManager:
         self._lender = ThreadLender(yield_thread)
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None
+        self._last_result: SaveResult | None = None
         self.triggers = SignalTriggers()
         if signals:
             self.triggers.install()
@@ -259,13 +210,67 @@ class CheckpointManager:
         return None
 
     def finish(
-        self, step: int, state: Any | Callable[[], Any], metrics: Mapping[str, Any] | None = None
+        self,
+        step: int,
+        state: Any | Callable[[], Any],
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> SaveResult:
-        """The final save of a completed run; waits for it. Signals act as before the manager."""
-        result = self.save(step, state, metrics, trigger="final", status="completed").result()
+        """The final save of a completed run; waits for it. Signals act as before the manager.
+
+        If the last save was this very step (a periodic save at the last step), its state is not
+        written again: the checkpoint is re-committed with status ``completed`` and trigger
+        ``final`` in a new manifest naming the same chunks, and ``state`` is not called.
+        """
+        self.wait()
+        previous = self._last_result
+        if previous is not None and (previous.phase, previous.step) == (self.phase, step):
+            result = self._complete(previous, metrics, user_metadata(metadata))
+        else:
+            result = self.save(
+                step, state, metrics, trigger="final", status="completed", metadata=metadata
+            ).result()
         self._lender.reclaim()
         self.triggers.uninstall()
         return result
+
+    def _complete(
+        self, previous: SaveResult, metrics: Mapping[str, Any] | None, user: dict[str, Any]
+    ) -> SaveResult:
+        """Re-commit the checkpoint ``previous`` as the run's final one: no chunk is written."""
+        start = time.perf_counter()
+        manifest = self.repo.manifest(previous.digest)
+        plain_metrics = plain_record(previous.step, metrics or manifest.meta.get("metrics", {}))
+        plain_metrics.pop("step")
+        meta = {
+            **manifest.meta, **user, "trigger": "final", "status": "completed",
+            "saved_at": self.clock(), "metrics": plain_metrics,
+        }  # fmt: skip
+        with self._records_lock:
+            records, self._pending_records = self._pending_records, []
+        records.append(
+            {"step": previous.step, "event": "save", "ref": previous.ref, "trigger": "final",
+             "status": "completed", "metrics": plain_metrics, "same_state_as": previous.digest}
+        )  # fmt: skip
+        prepared = PreparedSave(
+            {}, meta, previous.ref, previous.step, previous.phase, "final", "completed", records,
+            None,
+        )  # fmt: skip
+        best_ref = self.layout.best.format(run=self.run, phase=previous.phase)
+        with self._write_repo.lease("checkpoint"):
+            digest = self._write_repo.commit(
+                replace(manifest, meta=meta, created_at=self.clock()), previous.ref,
+                expected=previous.digest, op="save", message="final",
+            )  # fmt: skip
+            self._write_history.append(records)
+            best = self._write_repo.update_ref(  # best follows its checkpoint to the new manifest
+                best_ref, lambda c: digest if c and c.target == previous.digest else RefChange.KEEP,
+                op="best", message=previous.ref,
+            )  # fmt: skip
+            result = self._publish(prepared, digest, start, manifest.logical_bytes(), 0)
+        moved = best is not None and best.target == digest
+        return replace(result, is_best=result.is_best or moved)
 
     def save(
         self,
@@ -275,15 +280,21 @@ class CheckpointManager:
         *,
         trigger: str = "manual",
         status: str = "running",
+        metadata: Mapping[str, Any] | None = None,
     ) -> PendingSave:
-        """Save now. The call returns once the state is copied; the write runs in the background."""
+        """Save now. The call returns once the state is copied; the write runs in the background.
+
+        ``metadata`` (plain data: a ``description``, ``tags``...) is stored in the manifest's
+        meta next to the manager's own keys, which it may not reuse; ``cas show`` prints it.
+        """
         if self._closed:
             raise CASError("the checkpoint manager is closed")
         plain_metrics = plain_record(step, metrics or {})
         plain_metrics.pop("step")
+        user = user_metadata(metadata)
         phase = self.phase
 
-        def prepare() -> _Prepared:
+        def prepare() -> PreparedSave:
             start = time.perf_counter()
             value = state() if callable(state) else state
             staging = self._stager.acquire() if self._writer is not None else None
@@ -298,9 +309,9 @@ class CheckpointManager:
                 {"step": step, "event": "save", "ref": ref, "trigger": trigger,
                  "status": status, "metrics": plain_metrics}
             )  # fmt: skip
-            prepared = _Prepared(
-                tree, self._meta(step, phase, trigger, status, plain_metrics), ref, step, phase,
-                trigger, status, records, staging,
+            meta = {**user, **self._meta(step, phase, trigger, status, plain_metrics)}
+            prepared = PreparedSave(
+                tree, meta, ref, step, phase, trigger, status, records, staging
             )  # fmt: skip
             prepared.blocking = time.perf_counter() - start
             return prepared
@@ -320,7 +331,7 @@ class CheckpointManager:
         self._lender.lend(future)
         return PendingSave(future, step, self.checkpoint_ref(step, phase), blocked)
 
-    def _release(self, prepared: _Prepared) -> None:
+    def _release(self, prepared: PreparedSave) -> None:
         if prepared.staging is not None:
             self._stager.release(prepared.staging)
 
@@ -328,16 +339,10 @@ class CheckpointManager:
         self, step: int, phase: int, trigger: str, status: str, metrics: dict[str, Any]
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "cas_checkpoint": CHECKPOINT_SCHEMA,
-            "run": self.run_id,
-            "phase": phase,
-            "step": step,
-            "trigger": trigger,
-            "status": status,
-            "metrics": metrics,
-            "seed": self.seed,
-            "saved_at": self.clock(),
-        }
+            "cas_checkpoint": CHECKPOINT_SCHEMA, "run": self.run_id, "phase": phase,
+            "step": step, "trigger": trigger, "status": status, "metrics": metrics,
+            "seed": self.seed, "saved_at": self.clock(),
+        }  # fmt: skip
         if self.config_hash is not None:
             meta["config_hash"] = self.config_hash
             plain = plain_config(self.config)
@@ -345,13 +350,13 @@ class CheckpointManager:
                 meta["config"] = plain
         return meta
 
-    def _write(self, prepared: _Prepared) -> SaveResult:
+    def _write(self, prepared: PreparedSave) -> SaveResult:
         # One writer lease for the checkpoint, the history append and the pointer refs: a lease
         # is a durable file write and delete, and holding one per commit doubled them per save.
         with self._write_repo.lease("checkpoint"):
             return self._write_leased(prepared)
 
-    def _write_leased(self, prepared: _Prepared) -> SaveResult:
+    def _write_leased(self, prepared: PreparedSave) -> SaveResult:
         start = time.perf_counter()
         try:
             digest = self._write_repo.save(
@@ -364,6 +369,12 @@ class CheckpointManager:
             with self._records_lock:
                 self._pending_records[:0] = prepared.records[:-1]
             raise
+        return self._publish(prepared, digest, start, stats.logical_bytes, stats.new_bytes)
+
+    def _publish(
+        self, prepared: PreparedSave, digest: Digest, start: float, logical: int, new: int
+    ) -> SaveResult:
+        """Move ``latest`` and ``best`` to the committed ``digest``, then run the policy."""
         self._write_repo.set_ref(
             self.latest_ref, digest, expected=self._latest_target, op="save", message=prepared.ref
         )
@@ -376,11 +387,13 @@ class CheckpointManager:
             except Exception as e:  # e.g. a `cas gc` holds the maintenance lock right now
                 retention_error = f"{type(e).__name__}: {e}"
                 log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
-        return SaveResult(
+        result = SaveResult(
             prepared.step, prepared.phase, prepared.ref, digest, prepared.trigger,
             prepared.status, is_best, prepared.blocking, time.perf_counter() - start,
-            stats.logical_bytes, stats.new_bytes, retention_error,
+            logical, new, retention_error,
         )  # fmt: skip
+        self._last_result = result
+        return result
 
     def _apply_policy(self) -> None:
         if isinstance(self.policy, RetentionPolicy):
@@ -389,7 +402,7 @@ class CheckpointManager:
             apply = getattr(self.policy, "apply", None)
             (apply or self.policy)(self.repo)
 
-    def _update_best(self, digest: Digest, prepared: _Prepared) -> bool:
+    def _update_best(self, digest: Digest, prepared: PreparedSave) -> bool:
         if self.best is None:
             return False
         key, mode = self.best
@@ -468,17 +481,25 @@ class CheckpointManager:
             return None
         return record.history[-1].message or pointer
 
-    def promote_gate(self, name: str, source: str | None = None) -> Digest:
+    def gate_ref(self, name: str) -> str:
+        """The ref of this run's gate ``name`` (``runs/<id>/gates/<name>`` by default)."""
+        return self.layout.gate.format(name=name, run=self.run, phase=self.phase)
+
+    def promote_gate(
+        self, name: str, source: str | None = None, *, overwrite: bool = False
+    ) -> Digest:
         """Copy ``source`` (default: this phase's best, else latest) to the gate ``name``.
 
         A gate is a ref of its own (no chunk is written), so pruning checkpoints never removes
-        it; retention policies protect ``gates/**``.
+        it when the policy protects it (``runs/*/gates/*``). A gate that already names another
+        checkpoint is replaced only with ``overwrite=True``; otherwise AlreadyExists.
         """
         self.wait()
         if source is None:
             source = self.best_ref if self._read_target(self.best_ref) else self.latest_ref
-        gate = self.layout.gate.format(name=name, run=self.run, phase=self.phase)
-        return self.repo.cp(source, gate, message=f"gate {name} from {source}")
+        return self.repo.cp(
+            source, self.gate_ref(name), message=f"gate {name} from {source}", overwrite=overwrite
+        )
 
     def load_gate(
         self,
@@ -489,7 +510,7 @@ class CheckpointManager:
         map_location: str | torch.device | None = None,
     ) -> Any:
         """Load a gate strictly: no fallback, and any key mismatch with ``template`` is an error."""
-        gate = self.layout.gate.format(name=name, run=self.run, phase=self.phase)
+        gate = self.gate_ref(name)
         tree, meta = load_checkpoint(self.repo, gate, keys, map_location, with_rng=False)
         state = unwrap(tree, meta)
         if template is not None:
@@ -514,7 +535,8 @@ class CheckpointManager:
     ) -> Restored:
         """Start the run: ``fresh``, ``warm_start``, ``resume`` or ``auto`` (resume if possible).
 
-        - ``fresh``: nothing is loaded; RNGs are seeded from ``seed`` and the phase.
+        - ``fresh``: nothing is loaded; RNGs are seeded from ``seed`` and the phase (after your
+          model drew its initial weights: seed those yourself, before building it).
         - ``warm_start``: weights from ``source`` (default: latest), RNGs seeded fresh, no config
           check; use it at a phase transition, with ``template`` for a strict key check.
         - ``resume``: the exact state, RNGs restored; the config hash must match. Without a

@@ -260,7 +260,7 @@ class OpponentPool:
     def add_anchor(
         self, source: Any, name: str, metadata: Mapping[str, Any] | None = None, **kw: Any
     ) -> PoolEntry:
-        """A frozen pool member (e.g. ``gates/bc_best``): never evicted, never re-rated."""
+        """A frozen pool member (e.g. a run's ``runs/<id>/gates/bc_best``): never evicted, never re-rated."""
         return self.promote(source, metadata, anchor=True, name=name, **kw)
 
     def update(self, version: int, **fields: Any) -> PoolEntry:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
-from cas.errors import FormatError, IntegrityError, NotFound
+from cas.errors import FormatError, IntegrityError, NotFound, NothingSelected
 
 if TYPE_CHECKING:
     import torch
@@ -93,13 +93,18 @@ def load_checkpoint(
     """Load ``ref``; ``keys`` select within the user's state (and RNG states if ``with_rng``)."""
     meta = repo.manifest(ref).meta
     patterns = None
-    if keys is not None:
-        wanted = [keys] if isinstance(keys, str) else list(keys)
-        if meta.get("cas_checkpoint"):
-            patterns = [f"state.{k}" for k in wanted] + (["rng", "rng.*"] if with_rng else [])
-        else:
-            patterns = wanted
-    return repo.load(ref, map_location=map_location, keys=patterns), dict(meta)
+    wanted = [keys] if isinstance(keys, str) else list(keys or [])
+    in_state = keys is not None and bool(meta.get("cas_checkpoint"))
+    if in_state:
+        patterns = [f"state.{k}" for k in wanted] + (["rng", "rng.*"] if with_rng else [])
+    elif keys is not None:
+        patterns = wanted
+    tree = repo.load(ref, map_location=map_location, keys=patterns)
+    if in_state and not (isinstance(tree, dict) and "state" in tree):  # only RNGs matched
+        raise NothingSelected(
+            f"keys {', '.join(map(repr, wanted))} match nothing in the state saved at {ref}"
+        )
+    return tree, dict(meta)
 
 
 def load_first_good(
@@ -132,6 +137,8 @@ def load_first_good(
             if check is not None:
                 check(ref, stored_meta)
             tree, meta = load_checkpoint(repo, digest, keys, map_location, with_rng=with_rng)
+        except NothingSelected:
+            raise  # a typo in keys=, not a damaged checkpoint: an older one would not help
         except (IntegrityError, NotFound, FormatError) as e:
             if not fallback:
                 raise

@@ -14,12 +14,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Layout:
-    """Ref name templates; ``{run}`` is the run prefix (``runs/<id>``)."""
+    """Ref name templates; ``{run}`` is the run prefix (``runs/<id>``).
+
+    Gates live under their run, so two runs that promote a gate of the same name keep both;
+    ``Layout(gate="gates/{name}")`` shares one store-wide gate between runs on purpose.
+    """
 
     checkpoint: str = "{run}/phase{phase}/ckpt_phase{phase}_step{step:08d}"
     latest: str = "{run}/latest"
     best: str = "{run}/phase{phase}/best"
-    gate: str = "gates/{name}"
+    gate: str = "{run}/gates/{name}"
     history: str = "{run}/history"
     pool: str = "{run}/phase{phase}/opponent_pool"
 
