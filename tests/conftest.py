@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer
-from tests.prerequisites import require_weed
+from tests.prerequisites import missing, require_weed
 
 # S3: one SeaweedFS for the whole session; every test gets its own prefix in one bucket.
 
@@ -40,3 +41,24 @@ def s3_url(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> str:
     for leaking in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(leaking, raising=False)
     return f"s3://{SESSION_BUCKET}/{uuid.uuid4().hex}"
+
+
+# A full disk: a small tmpfs that writes fill up (ENOSPC).
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs, so writes meet ENOSPC (mounting needs root)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        missing(f"cannot mount a small tmpfs to fill up: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,7 +28,6 @@ from cas.objects.chunking import Cut, cdc_cuts, windowed_cdc_cuts
 from cas.objects.store import ObjectStore
 from cas.repo.config import StoreConfig
 from cas.testing.faulty import FaultyBlobStore
-from tests.prerequisites import missing
 
 BLOCK = 64 << 10
 REPO = Path(__file__).resolve().parent.parent
@@ -230,24 +228,6 @@ def test_a_tensor_changed_during_save_is_stored_as_it_was_read(tmp_path: Path) -
 
 
 # -- a full disk ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """An 8 MiB tmpfs, so writes meet ENOSPC (mounting needs root)."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        missing(f"cannot mount a small tmpfs to fill up: {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def fill(disk: Path, leave: int) -> Path:

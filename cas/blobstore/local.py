@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import fcntl
@@ -24,7 +25,7 @@ from cas.blobstore.base import (
 )
 from cas.blobstore.direct import AlignedBuffers, DirectIOUnsupported, wants_direct, write_direct
 from cas.digest import digest_of
-from cas.errors import BackendError, NotFound, PreconditionFailed
+from cas.errors import BackendError, CASError, NotFound, PreconditionFailed
 
 TMP_DIR = "tmp"
 """Temporary files live here, never under a final name; GC removes stale ones."""
@@ -33,6 +34,34 @@ LOCK_DIR = "tmp/locks"
 _MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
 """What opening a key that names no file raises: no file, a directory of blobs, or a path
 running through a blob as if it were a directory."""
+
+
+@contextmanager
+def disk_errors(doing: str, path: Path | str) -> Iterator[None]:
+    """Raise any ``OSError`` of the block (a full or failing disk, no permission) as the
+    ``BackendError`` the contract promises, naming what was being done to which file.
+
+    The edge of every module that works on a local store's files itself (this store, the
+    sweeper, the object inventory); ``CASError`` passes through, though ``BackendError`` and
+    ``NotFound`` are ``OSError`` too.
+    """
+    try:
+        yield
+    except CASError:
+        raise
+    except OSError as e:
+        raise _backend_error(doing, path, e) from e
+
+
+def _backend_error(doing: str, path: Path | str, error: OSError) -> BackendError:
+    return BackendError(f"{doing} {path}: {error.strerror or error}")
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temp file that will never be published; a disk that fails even that leaves it
+    in ``tmp/``, where no reader looks and GC removes it."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
 
 
 class LocalBlobStore(BlobStore):
@@ -154,7 +183,7 @@ class LocalBlobStore(BlobStore):
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
             raise
         os.close(fd)
         return tmp
@@ -171,11 +200,14 @@ class LocalBlobStore(BlobStore):
         """Write a temp file and rename it over ``key``; a durable write's directory is fsynced
         by the next ``sync``."""
         path = self._path(key)
-        try:
+        with disk_errors("writing", path):
             self._ensure_parent(path)
-            os.replace(self._write_temp(*parts, fsync=durable), path)
-        except OSError as e:
-            raise BackendError(f"writing {path}: {e.strerror}") from e
+            tmp = self._write_temp(*parts, fsync=durable)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                _discard(tmp)
+                raise
         if durable:
             with self._dirty_lock:
                 self._dirty_dirs.add(path.parent)
@@ -195,7 +227,7 @@ class LocalBlobStore(BlobStore):
             except FileExistsError:
                 return False
             finally:
-                tmp.unlink(missing_ok=True)  # the blob keeps its own name; drop the temp one
+                _discard(tmp)  # the blob keeps its own name; drop the temp one
         except OSError as e:
             raise BackendError(f"writing {path}: {e.strerror}") from e
         with self._dirty_lock:
@@ -205,9 +237,19 @@ class LocalBlobStore(BlobStore):
     def sync(self) -> None:
         with self._dirty_lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
-        if self._fsync:
-            for directory in dirs:
-                _fsync_dir(directory)
+        if not self._fsync:
+            return
+        pending = list(dirs)
+        while pending:
+            try:
+                with disk_errors("making durable the directory", pending[-1]):
+                    _fsync_dir(pending[-1])
+            except BackendError:
+                # Still not durable: the next sync tries these again rather than forget them.
+                with self._dirty_lock:
+                    self._dirty_dirs.update(pending)
+                raise
+            pending.pop()
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -237,6 +279,8 @@ class LocalBlobStore(BlobStore):
                 entries = os.scandir(directory)
             except (FileNotFoundError, NotADirectoryError):
                 continue
+            except OSError as e:
+                raise _backend_error("listing", directory, e) from e
             with entries:
                 for entry in entries:
                     rel = entry.path[root_len:]
@@ -251,34 +295,45 @@ class LocalBlobStore(BlobStore):
                                 st = entry.stat()
                             except FileNotFoundError:
                                 continue
+                            except OSError as e:
+                                raise _backend_error("listing", entry.path, e) from e
                             yield BlobInfo(rel, st.st_size, st.st_mtime)
                         else:
                             yield BlobInfo(rel, -1, 0.0)
 
     def stat(self, key: str) -> BlobInfo:
+        path = self._path(key)
         try:
-            st = self._path(key).stat()
+            st = path.stat()
         except _MISSING as e:
             raise NotFound(f"no blob {key!r}") from e
+        except OSError as e:
+            raise _backend_error("reading the size of", path, e) from e
         if not S_ISREG(st.st_mode):
             raise NotFound(f"no blob {key!r}: a directory of blobs")
         return BlobInfo(key, st.st_size, st.st_mtime)
 
     def touch(self, key: str) -> None:
         path = self._path(key)
-        if path.is_dir():
-            raise NotFound(f"no blob {key!r}: a directory of blobs")
         try:
+            if path.is_dir():
+                raise NotFound(f"no blob {key!r}: a directory of blobs")
             os.utime(path)
+        except CASError:
+            raise
         except _MISSING as e:
             raise NotFound(f"no blob {key!r}") from e
+        except OSError as e:
+            raise _backend_error("touching", path, e) from e
 
     @contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
         lock_path = self.root / LOCK_DIR / f"{digest_of(key.encode())[:32]}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        with disk_errors("locking", lock_path):
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            with disk_errors("locking", lock_path):
+                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -290,6 +345,8 @@ class LocalBlobStore(BlobStore):
                 return Version(digest_of(f.read()))
         except _MISSING:
             return None
+        except OSError as e:
+            raise _backend_error("reading", path, e) from e
 
     def get_versioned(self, key: str) -> tuple[bytes, Version]:
         data = self.get(key)
@@ -301,14 +358,16 @@ class LocalBlobStore(BlobStore):
             current = self._current_version(path)
             if current != expected:
                 raise PreconditionFailed(f"{key!r} changed (expected {expected}, found {current})")
-            try:
+            with disk_errors("writing", path):
                 self._ensure_parent(path)
                 tmp = self._write_temp(data)
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    _discard(tmp)
+                    raise
                 if self._fsync:
                     _fsync_dir(path.parent)
-            except OSError as e:
-                raise BackendError(f"writing {path}: {e.strerror}") from e
         return Version(digest_of(bytes(data)))
 
     def delete_conditional(self, key: str, expected: Version) -> None:
@@ -317,9 +376,10 @@ class LocalBlobStore(BlobStore):
             current = self._current_version(path)
             if current != expected:
                 raise PreconditionFailed(f"{key!r} changed (expected {expected}, found {current})")
-            path.unlink()
-            if self._fsync:
-                _fsync_dir(path.parent)
+            with disk_errors("deleting", path):
+                path.unlink()
+                if self._fsync:
+                    _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:

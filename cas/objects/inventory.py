@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cas.blobstore.base import BlobStore
 from cas.blobstore.bulk import DEFAULT_WORKERS, has_many, touch_many
+from cas.blobstore.local import disk_errors
 from cas.digest import Digest
 from cas.errors import NotFound
 from cas.objects.keys import ObjectKind, StoredObject, object_key
@@ -43,6 +44,11 @@ def list_objects(blobs: BlobStore, kind: ObjectKind) -> Iterator[StoredObject]:
 
 def _scan_local(top: str, kind: ObjectKind) -> Iterator[StoredObject]:
     """The shard directories directly: a million objects in a few seconds."""
+    with disk_errors("listing", top):
+        yield from _scan_shards(top, kind)
+
+
+def _scan_shards(top: str, kind: ObjectKind) -> Iterator[StoredObject]:
     try:
         shards = [e for e in os.scandir(top) if _SHARD_RE.fullmatch(e.name) and e.is_dir()]
     except FileNotFoundError:

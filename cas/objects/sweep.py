@@ -22,7 +22,7 @@ from itertools import islice
 from pathlib import Path
 
 from cas.blobstore.base import BlobStore
-from cas.blobstore.local import TMP_DIR
+from cas.blobstore.local import TMP_DIR, disk_errors
 from cas.digest import Digest
 from cas.errors import NotFound
 from cas.objects.keys import ObjectKind, object_key, parse_object_key
@@ -105,14 +105,15 @@ class LocalSweeper(Sweeper):
 
     def recover(self) -> int:
         restored = 0
-        try:
-            entries = list(os.scandir(self.trash))
-        except FileNotFoundError:
-            return 0
-        for entry in entries:
-            key = entry.name.replace("+", "/")
-            if parse_object_key(key) is not None:
-                restored += self._put_back(Path(entry.path), self.root / key)
+        with disk_errors("putting back what GC set aside in", self.trash):
+            try:
+                entries = list(os.scandir(self.trash))
+            except FileNotFoundError:
+                return 0
+            for entry in entries:
+                key = entry.name.replace("+", "/")
+                if parse_object_key(key) is not None:
+                    restored += self._put_back(Path(entry.path), self.root / key)
         return restored
 
     @staticmethod
@@ -127,8 +128,9 @@ class LocalSweeper(Sweeper):
         return restored
 
     def remove_many(self, candidates: Iterable[Candidate], cutoff: float) -> Iterator[SweepOutcome]:
-        self.trash.mkdir(parents=True, exist_ok=True)
-        yield from super().remove_many(candidates, cutoff)
+        with disk_errors("deleting objects from", self.root):
+            self.trash.mkdir(parents=True, exist_ok=True)
+            yield from super().remove_many(candidates, cutoff)
 
     def remove_one(self, kind: ObjectKind, digest: Digest, cutoff: float) -> SweepOutcome:
         key = object_key(kind, digest)
@@ -142,7 +144,13 @@ class LocalSweeper(Sweeper):
             os.rename(home, trashed)
         except FileNotFoundError:
             return SweepOutcome(kind, digest, "gone")
-        st = os.stat(trashed)
+        try:
+            st = os.stat(trashed)
+        except OSError:
+            # Whether a writer reused it is unknown: it goes back (or, should that fail too, the
+            # next run's ``recover`` puts it back before planning).
+            self._put_back(Path(trashed), Path(home))
+            raise
         if st.st_mtime >= cutoff:
             self._put_back(Path(trashed), Path(home))
             return SweepOutcome(kind, digest, "spared")
@@ -150,6 +158,10 @@ class LocalSweeper(Sweeper):
         return SweepOutcome(kind, digest, "deleted", st.st_size)
 
     def stale_tmp(self, cutoff: float) -> list[tuple[str, int]]:
+        with disk_errors("listing", self.root / TMP_DIR):
+            return self._stale_tmp(cutoff)
+
+    def _stale_tmp(self, cutoff: float) -> list[tuple[str, int]]:
         stale = []
         try:
             entries = list(os.scandir(self.root / TMP_DIR))
@@ -169,7 +181,7 @@ class LocalSweeper(Sweeper):
             if not _TMP_NAME_RE.fullmatch(name):
                 continue
             path = self.root / TMP_DIR / name
-            with contextlib.suppress(FileNotFoundError):
+            with disk_errors("deleting", path), contextlib.suppress(FileNotFoundError):
                 st = path.stat()
                 if st.st_mtime < cutoff:
                     path.unlink()

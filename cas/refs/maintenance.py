@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore, Version
-from cas.errors import CASError, LockHeld, NotFound, PreconditionFailed
+from cas.errors import BackendError, CASError, LockHeld, NotFound, PreconditionFailed
 from cas.refs.leases import (
     LeaseManager,
     LeaseRecord,
@@ -111,6 +111,24 @@ class MaintenanceLock:
     def acquire(self) -> MaintenanceLock:
         """Take the lock or raise LockHeld naming who holds it and until when."""
         try:
+            return self._take()
+        except (LockHeld, PreconditionFailed):
+            raise
+        except CASError:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Remove the lock a write that reported failure stored all the same (an fsync failed
+        after the rename, a reply was lost), so a failed start leaves nothing that blocks."""
+        with contextlib.suppress(CASError):
+            data, version = self.blobs.get_versioned(MAINTENANCE_LOCK_KEY)
+            holder = parse_lock(data)
+            if holder is not None and holder.holder == self.holder:
+                self.blobs.delete_conditional(MAINTENANCE_LOCK_KEY, version)
+
+    def _take(self) -> MaintenanceLock:
+        try:
             self._version = self.blobs.put_conditional(MAINTENANCE_LOCK_KEY, self._document(), None)
             return self
         except PreconditionFailed:
@@ -147,10 +165,16 @@ class MaintenanceLock:
         """Remove the lock if it is still ours."""
         if self._version is None:
             return
-        # If it was taken over after expiring, it is someone else's now: leave it.
-        with contextlib.suppress(PreconditionFailed, NotFound):
-            self.blobs.delete_conditional(MAINTENANCE_LOCK_KEY, self._version)
-        self._version = None
+        version, self._version = self._version, None
+        try:
+            # If it was taken over after expiring, it is someone else's now: leave it.
+            with contextlib.suppress(PreconditionFailed, NotFound):
+                self.blobs.delete_conditional(MAINTENANCE_LOCK_KEY, version)
+        except CASError as e:
+            raise BackendError(
+                f"the store's maintenance lock could not be released ({e}); it blocks the next "
+                "gc or forget until it expires, or until `cas unlock` removes it"
+            ) from e
 
     def __enter__(self) -> MaintenanceLock:
         return self.acquire()
