@@ -146,7 +146,10 @@ def test_sigkill_during_cas_put_of_files_and_directories_never_breaks_a_ref(
         names = repo.ref_names("put/")
         if names:
             index = int(names[-1].rsplit("_", 1)[1])
-            out = repo.get_path(names[-1], tmp_path / "out", overwrite=True)
+            # One destination per ref: a file ref and a directory ref cannot share one.
+            dest = tmp_path / "out" / names[-1].replace("/", "_")
+            dest.parent.mkdir(exist_ok=True)
+            out = repo.get_path(names[-1], dest, overwrite=True)
             restored = sorted(p.read_bytes() for p in out)
             expected = [workers.file_bytes(index)]
             if index % 2 == 0:
