@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from cas.digest import Digest, parse_digest
 from cas.errors import CASError, FormatError, NotFound, PreconditionFailed, RefConflict
 from cas.model.manifest import Manifest, decode_manifest, encode_manifest
 from cas.names import RefName, parse_ref_name, ref_matches
+from cas.objects.keys import ObjectKind
 from cas.objects.store import ObjectStore
 from cas.refs import segments
 from cas.refs.leases import LeaseManager
@@ -41,6 +43,8 @@ REF_VERSION = 1
 """Records without sealed history are written as version 1, which older readers understand."""
 REF_VERSION_SEALED = 2
 """Records that list sealed history segments: an older reader refuses them rather than lose history."""
+REF_VERSION_FENCE = 3
+"""A fence record: GC fenced a dead writer's commit of a ref that did not exist; read as absent."""
 REFS_PREFIX = "refs/"
 MAX_HISTORY = 10_000
 """History is append-only; past this many events, whole sealed segments are dropped oldest first
@@ -121,6 +125,14 @@ class ScannedRef:
     error: CASError | None = None
 
 
+class FencedRef(NotFound):
+    """The ref's blob is a fence record (no such ref); ``version`` is what a creator replaces."""
+
+    def __init__(self, message: str, version: Version | None) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 def ref_key(name: RefName) -> str:
     """The blob key of a ref: one flat directory, '/' escaped, so no name shadows another."""
     return REFS_PREFIX + quote(name, safe="")
@@ -133,8 +145,8 @@ def _name_from_key(key: str) -> RefName | None:
         return None
 
 
-def encode_ref(record: RefRecord) -> bytes:
-    """The msgpack bytes of a ref record."""
+def encode_ref(record: RefRecord, *, fence: str = "") -> bytes:
+    """The msgpack bytes of a ref record; ``fence``, a token GC writes to change its version."""
     doc: dict[str, Any] = {
         "format": REF_FORMAT,
         "version": REF_VERSION_SEALED if record.sealed else REF_VERSION,
@@ -144,6 +156,15 @@ def encode_ref(record: RefRecord) -> bytes:
     }
     if record.sealed:
         doc["sealed"] = [[s.digest, s.count, s.until] for s in record.sealed]
+    if fence:
+        doc["fence"] = fence
+    packed: bytes = msgpack.packb(doc)
+    return packed
+
+
+def encode_fence(name: RefName, token: str) -> bytes:
+    """A fence record: stands where no ref is, so a paused creator's create-only write fails."""
+    doc = {"format": REF_FORMAT, "version": REF_VERSION_FENCE, "name": name, "fence": token}
     packed: bytes = msgpack.packb(doc)
     return packed
 
@@ -164,6 +185,8 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
         doc: Any = msgpack.unpackb(data, raw=False)
         if not isinstance(doc, dict) or doc.get("format") != REF_FORMAT:
             raise FormatError(f"ref {name!r} is not a cas ref")
+        if doc.get("version") == REF_VERSION_FENCE and "target" not in doc:
+            raise FencedRef(f"no ref named {name!r} (a fenced commit's record)", version)
         if doc.get("version") not in (REF_VERSION, REF_VERSION_SEALED):
             raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
         history = _unpack_events(doc["history"])
@@ -174,7 +197,7 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
         if not history:
             raise FormatError(f"ref {name!r} has no history")
         return RefRecord(name, parse_digest(doc["target"]), history, version, sealed)
-    except FormatError:
+    except (FormatError, FencedRef):
         raise
     except Exception as e:
         raise FormatError(f"ref {name!r} is corrupt: {e}") from e
@@ -321,8 +344,10 @@ class RefStore:
         ref = parse_ref_name(name)
         if attempts < 1:
             raise ValueError("a ref update needs at least one attempt")
+        if self.leases is not None:
+            self.leases.declare(ref)  # before the read the compare-and-swap depends on
         for _ in range(attempts):
-            current = self.try_get(ref)
+            current, version = self._current(ref)
             decision = fn(current)
             if decision is RefChange.KEEP:
                 return current
@@ -331,7 +356,7 @@ class RefStore:
                     if current is not None:
                         self._delete_record(current)
                     return None
-                return self._write_record(self._moved(ref, current, decision, op, message), current)
+                return self._write_record(self._moved(ref, current, decision, op, message), version)
             except (PreconditionFailed, NotFound):
                 continue  # another writer got in between: decide again on its record
         raise RefConflict(
@@ -351,19 +376,57 @@ class RefStore:
             record = self._seal(record)
         return record
 
-    def _fence(self) -> None:
-        if self.leases is not None:
-            self.leases.check()  # a writer whose lease expired must not publish (invariant 5)
+    def _current(self, ref: RefName) -> tuple[RefRecord | None, Version | None]:
+        """The record (None: absent) and the version a compare-and-swap must expect."""
+        try:
+            record = self.get(ref)
+        except FencedRef as e:
+            return None, e.version
+        except NotFound:
+            return None, None
+        return record, record.version
 
-    def _write_record(self, record: RefRecord, current: RefRecord | None) -> RefRecord:
-        self._fence()
-        version = self.blobs.put_conditional(
-            ref_key(record.name), encode_ref(record), current.version if current else None
-        )
+    def _check_lease(self) -> None:
+        if self.leases is not None:
+            self.leases.check()  # a writer whose lease expired must not publish (invariant 11)
+
+    def _write_record(self, record: RefRecord, expected: Version | None) -> RefRecord:
+        if self.leases is not None:
+            self.leases.settle(lambda: self._missing(record))
+        self._check_lease()
+        version = self.blobs.put_conditional(ref_key(record.name), encode_ref(record), expected)
         return self._remember(replace(record, version=version))
 
+    def _missing(self, record: RefRecord) -> list[str]:
+        """Objects ``record`` names (target manifest, its chunks, sealed history) that are gone."""
+        manifests = [record.target, *(s.digest for s in record.sealed)]
+        present = self.objects.has_many(ObjectKind.MANIFEST, manifests)
+        gone = [f"manifest {d}" for d, ok in present.items() if not ok]
+        if present[record.target]:
+            chunks = decode_manifest(self.objects.get_manifest(record.target)).chunk_digests()
+            found = self.objects.has_many(ObjectKind.CHUNK, chunks)
+            gone.extend(f"chunk {d}" for d, ok in found.items() if not ok)
+        return gone
+
+    def fence(self, name: str) -> Digest | None:
+        """Change ``name``'s blob so that a compare-and-swap prepared before now fails: GC's fence
+        of a commit an expired lease declared. The record stays as it was, with a fresh token; an
+        absent ref gets a fence record. Returns the ref's target (None: absent)."""
+        ref = parse_ref_name(name)
+        for _ in range(UPDATE_ATTEMPTS):
+            current, version = self._current(ref)
+            token = uuid.uuid4().hex
+            data = encode_ref(current, fence=token) if current else encode_fence(ref, token)
+            try:
+                self.blobs.put_conditional(ref_key(ref), data, version)
+            except (PreconditionFailed, NotFound):
+                continue  # a writer moved it meanwhile: fence what it wrote
+            self._decoded.pop(ref, None)
+            return current.target if current else None
+        raise RefConflict(f"ref {ref!r} kept changing: gc could not fence it")
+
     def _delete_record(self, current: RefRecord) -> None:
-        self._fence()
+        self._check_lease()
         assert current.version is not None
         self.blobs.delete_conditional(ref_key(current.name), current.version)
         self._decoded.pop(current.name, None)

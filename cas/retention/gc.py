@@ -12,13 +12,16 @@
 3. List chunks and manifests with their mtimes: unmarked ones older than the cutoff are candidates.
 
 If any ref or any root manifest cannot be read, planning raises (saying which and why) and
-nothing is deleted. Execution deletes manifests first, then chunks, so a manifest that is still
-stored never names a chunk this run deleted; reachable objects are never touched, so killing GC
-at any point leaves every kept ref loadable.
+nothing is deleted; a ref whose manifest is missing is set aside and reported (``broken_refs``).
+Execution first fences the commits of writers whose leases expired (``RefStore.fence``), then
+deletes manifests first, then chunks, so a manifest that is still stored never names a chunk this
+run deleted; reachable objects are never touched, so killing GC at any point leaves every kept ref
+loadable.
 
 A writer may reuse (touch) a candidate after it was listed; the object store's sweeper
-(``cas.objects.sweep``) re-checks every object at the moment it deletes it (exactly on local
-stores, within one round trip elsewhere).
+(``cas.objects.sweep``) re-checks every object right before it deletes it, inside announced sweep
+windows (``cas.refs.sweeps``) that committing writers check, so a reuse in the moment between
+the check and the delete aborts that commit instead of losing it (docs/gc.md, "Safety").
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from cas.digest import Digest
 from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import decode_manifest
 from cas.objects.keys import ObjectKind
+from cas.objects.sweep import Window
 from cas.refs.leases import LeaseRecord
 from cas.refs.store import RefRecord
 from cas.refs.stores import Stores
@@ -39,6 +43,10 @@ from cas.units import format_duration, format_size, parse_duration
 
 GC_SECTION = "gc"
 """The ``StoreConfig.extra`` section holding ``GCSettings``."""
+SWEEP_BATCH = 1024
+"""Deletions per announced sweep window: a committing writer waits for at most one batch."""
+REPLANS = 3
+"""How often execution plans again when a fenced writer turns out to have published first."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,10 @@ class GCPlan:
     tmp_bytes: int
     expired_leases: tuple[LeaseRecord, ...]
     stores: Stores = field(repr=False, compare=False)
+    broken_refs: tuple[str, ...] = ()
+    """Refs whose manifest is missing: set aside (they protect nothing), reported."""
+    kept_manifests: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    """Every manifest the plan keeps as a root."""
 
     @property
     def freed_bytes(self) -> int:
@@ -142,6 +154,7 @@ class GCPlan:
             "delete_tmp_files": len(self.tmp_files),
             "delete_tmp_bytes": self.tmp_bytes,
             "reap_leases": len(self.expired_leases),
+            "broken_refs": list(self.broken_refs),
             "freed_bytes": self.freed_bytes,
         }
         if keys:
@@ -151,29 +164,53 @@ class GCPlan:
         return doc
 
     def execute(self, *, lock: bool = True) -> GCResult:
-        """Delete what the plan lists: manifests, then chunks, then temp files and dead leases.
+        """Fence dead writers' commits, then delete what the plan lists: manifests, then chunks,
+        then temp files and dead leases.
 
         Each object is checked once more right before it goes: one modified after the plan's
         cutoff (a writer reused it meanwhile) is spared.
         """
+        with self.stores.maintenance.lock("gc", enabled=lock):
+            plan = self
+            for _ in range(REPLANS):
+                if plan._fence():
+                    return plan._sweep()
+                plan = plan_gc(self.stores, self.settings, lock=False)
+            raise CASError("gc stopped, nothing deleted: fenced writers kept publishing refs")
+
+    def _fence(self) -> bool:
+        """Fence every ref an expired lease declared, so its writer can never publish; False if
+        one was published after planning to a manifest the plan does not keep (plan again)."""
+        for lease in self.expired_leases:
+            for ref in lease.commits:
+                try:
+                    target = self.stores.refs.fence(ref)
+                except CASError as e:
+                    raise type(e)(f"gc stopped before deleting: fencing ref {ref!r}: {e}") from e
+                if target is not None and target not in self.kept_manifests:
+                    return False
+        return True
+
+    def _sweep(self) -> GCResult:
         started = time.monotonic()
         maintenance = self.stores.maintenance
-        with maintenance.lock("gc", enabled=lock) as held:
-            sweeper = self.stores.objects.sweeper()
-            restored = sweeper.recover()
-            tally = _Tally()
-            for candidates in (
-                ((ObjectKind.MANIFEST, Digest(d)) for d in self.manifests),
-                ((ObjectKind.CHUNK, Digest(d)) for d in self.chunks),
-            ):
-                for outcome in sweeper.remove_many(candidates, self.cutoff):
-                    tally.add(outcome.kind, outcome.status, outcome.size)
-                    if held is not None and tally.seen % 20000 == 0:
-                        held.refresh()
-            tmp_files, tmp_bytes = sweeper.remove_tmp(self.tmp_files, self.cutoff)
-            reaped = 0
-            for lease in self.expired_leases:
-                reaped += maintenance.reap(lease)
+        sweeper = self.stores.objects.sweeper()
+        restored = sweeper.recover()
+        windows = maintenance.sweep_windows()
+        window = Window(windows.batch, windows.guard, SWEEP_BATCH)
+        tally = _Tally()
+        for candidates in (
+            ((ObjectKind.MANIFEST, Digest(d)) for d in self.manifests),
+            ((ObjectKind.CHUNK, Digest(d)) for d in self.chunks),
+        ):
+            for outcome in sweeper.remove_many(candidates, self.cutoff, window):
+                tally.add(outcome.kind, outcome.status, outcome.size)
+                if tally.seen % SWEEP_BATCH == 0:
+                    maintenance.refresh_lock()
+        tmp_files, tmp_bytes = sweeper.remove_tmp(self.tmp_files, self.cutoff)
+        reaped = 0
+        for lease in self.expired_leases:
+            reaped += maintenance.reap(lease)
         return GCResult(
             deleted_chunks=tally.counts[ObjectKind.CHUNK],
             deleted_chunk_bytes=tally.bytes[ObjectKind.CHUNK],
@@ -210,6 +247,11 @@ class GCPlan:
             lines.append(
                 f"  live writer lease {lease.writer} ({lease.purpose}) since {_when(lease.started)}: "
                 "what it writes is kept"
+            )
+        for name in self.broken_refs:
+            lines.append(
+                f"  WARNING: ref {name!r} names a missing manifest: set aside, it keeps nothing; "
+                "run `cas verify`"
             )
         if self.missing_chunks:
             lines.append(
@@ -308,7 +350,7 @@ def plan_gc(
         }
         for digest in young:
             roots[digest] = "a recently written manifest"
-        marked, found = _mark(stores, roots, current)
+        marked, found, missing = _mark(stores, roots, current)
         deleted_manifests = sorted(
             d for d, (_, mtime) in manifest_infos.items() if d not in roots and mtime < cutoff
         )
@@ -339,6 +381,8 @@ def plan_gc(
         tmp_bytes=sum(size for _, size in tmp),
         expired_leases=expired,
         stores=stores,
+        broken_refs=tuple(sorted(r.name for r in records if r.target in missing)),
+        kept_manifests=frozenset(d for d in roots if d not in missing),
     )
 
 
@@ -358,27 +402,32 @@ def _read_refs(stores: Stores) -> list[RefRecord]:
     return records
 
 
-def _mark(stores: Stores, roots: dict[str, str], current: set[str]) -> tuple[set[str], int]:
-    """Chunks named by the root manifests; a missing current target or a corrupt root refuses."""
+def _mark(
+    stores: Stores, roots: dict[str, str], current: set[str]
+) -> tuple[set[str], int, set[str]]:
+    """Chunks named by the root manifests, how many roots were read, and the refs' targets that
+    are missing (set aside: they can keep nothing). A corrupt root refuses."""
 
     def read(digest: str) -> frozenset[str] | None:
         try:
             manifest = decode_manifest(stores.objects.get_manifest(Digest(digest)))
-        except NotFound as e:
-            if digest in current:
-                raise _refused(e, f"{roots[digest]} names a missing manifest") from e
-            return None  # history or a recent unreferenced manifest that is gone: nothing to keep
+        except NotFound:
+            return None  # history, a recent unreferenced manifest, or a broken ref: keeps nothing
         except CASError as e:
             raise _refused(e, f"{roots[digest]}: manifest {digest[:16]} cannot be read") from e
         return frozenset(manifest.chunk_digests())
 
     marked: set[str] = set()
     found = 0
-    for chunks in stores.pool.map(read, list(roots)):
+    missing: set[str] = set()
+    digests = list(roots)
+    for digest, chunks in zip(digests, stores.pool.map(read, digests), strict=True):
         if chunks is not None:
             found += 1
             marked |= chunks
-    return marked, found
+        elif digest in current:
+            missing.add(digest)
+    return marked, found, missing
 
 
 @dataclass

@@ -76,12 +76,15 @@ def verify(
     owners: dict[Digest, str] = {}
     seen_manifests: set[Digest] = set()
     for name in names:
-        report.refs += 1
         try:
             record = refs.get(name)
+        except NotFound:
+            continue  # removed since listed, or a fence record standing where no ref is
         except CASError as e:
+            report.refs += 1
             report.problems.append(Problem(name, "bad-ref", str(e)))
             continue
+        report.refs += 1
         for sealed in record.sealed:
             try:
                 refs.segment(record, sealed)
