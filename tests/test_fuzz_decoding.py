@@ -31,7 +31,7 @@ from cas.model.state import decode_state
 from cas.names import RefName
 from cas.objects.envelope import encode_header
 from cas.objects.store import ObjectStore, chunk_key
-from cas.refs.store import decode_ref
+from cas.refs.records import decode_ref
 from cas.repo.config import StoreConfig
 from tests.hostile import HOSTILE_REF
 

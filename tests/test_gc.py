@@ -123,9 +123,10 @@ def test_gc_refuses_and_deletes_nothing_when_a_ref_or_manifest_cannot_be_read(
     with pytest.raises(IntegrityError, match=r"gc refused, nothing deleted: ref 'bad'"):
         repo.plan_gc(settings_)
     assert not path.exists()  # the read that found it corrupt moved it into quarantine
+    with pytest.raises(IntegrityError, match=r"gc refused, nothing deleted: ref 'bad'"):
+        repo.plan_gc(settings_)  # quarantined, not merely missing: it can still be repaired
     shutil.rmtree(local_root(repo) / "quarantine")  # now it is merely missing
-    with pytest.raises(NotFound, match="names a missing manifest"):
-        repo.plan_gc(settings_)
+    assert repo.plan_gc(settings_).broken_refs == ("bad",)  # set aside, not refused
     path.write_bytes(original)
     ref_path = tmp_path / "refs" / "good"
     ref_path.write_bytes(b"not msgpack \xff")
@@ -136,6 +137,25 @@ def test_gc_refuses_and_deletes_nothing_when_a_ref_or_manifest_cannot_be_read(
     repo.save(state(1), "good")
     repo.plan_gc(settings_).execute()
     assert chunk_digests(repo) == chunks_of(1, 2)
+
+
+def test_a_ref_naming_a_missing_manifest_is_reported_and_the_rest_still_collected(
+    tmp_path: Path,
+) -> None:
+    repo = local_repo(tmp_path)
+    repo.save(state(1), "good")
+    lost = repo.save(state(2), "broken")
+    repo.save(state(3), "garbage")
+    repo.rm("garbage")
+    (local_root(repo) / manifest_key(lost)).unlink()
+    plan = repo.plan_gc(GCSettings(grace=0, reflog_window=0))
+    assert plan.broken_refs == ("broken",)
+    assert any("'broken' names a missing manifest" in line for line in plan.summary())
+    plan.execute()
+    assert chunk_digests(repo) == chunks_of(1)
+    assert_bit_exact(repo.load("good"), state(1))
+    problems = repo.verify().problems
+    assert [(p.ref, p.kind) for p in problems] == [("broken", "missing-manifest")]
 
 
 def test_delta_bases_named_in_the_manifest_stay_alive() -> None:

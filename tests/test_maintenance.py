@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from cas.blobstore import MemoryBlobStore, ReadOnlyBlobStore
+from cas.blobstore.base import Version
 from cas.cli import cli
+from cas.errors import BackendError
 from cas.refs.leases import LeaseManager, LeaseSettings
-from cas.refs.maintenance import MaintenanceService
+from cas.refs.maintenance import MAINTENANCE_LOCK_KEY, MaintenanceService
 from tests.retention_helpers import FakeClock, local_repo
 
 
@@ -58,3 +63,55 @@ def test_the_store_clock_comes_from_the_store_else_the_injected_clock() -> None:
     assert MaintenanceService(blobs, host_clock, writers).store_time() == 5000.0
     read_only = ReadOnlyBlobStore(blobs)
     assert MaintenanceService(read_only, host_clock, writers).store_time() == 1000.0
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_dead_writers_lease_and_a_dead_gcs_lock_lapse_at_once_on_their_host() -> None:
+    clock = FakeClock(1000.0)
+    blobs = MemoryBlobStore(clock)
+    writers = LeaseManager(blobs, clock, LeaseSettings(duration=600, margin=60))
+    service = MaintenanceService(blobs, clock, writers)
+    lease = writers.acquire("killed writer")
+    assert lease is not None
+    (alive,) = service.lease_states()
+    assert alive.live  # its process (this one) runs
+    doc = json.loads(blobs.get(lease.key))
+    blobs.put_transient(lease.key, json.dumps({**doc, "pid": _dead_pid()}).encode())
+    (dead,) = service.lease_states()
+    assert not dead.live  # long before its expiry
+
+    with service.lock("gc"):
+        held = json.loads(blobs.get(MAINTENANCE_LOCK_KEY))
+    blobs.put(MAINTENANCE_LOCK_KEY, json.dumps({**held, "pid": _dead_pid()}).encode())
+    with service.lock("gc"):  # taken over at once, not after LOCK_DURATION
+        pass
+
+
+class _DownAfterFirstDelete(MemoryBlobStore):
+    """A server that dies in the middle of a sweep and stays down."""
+
+    down = False
+
+    def delete(self, key: str) -> None:
+        if self.down:
+            raise BackendError(f"S3 delete {key}: connection refused")
+        super().delete(key)
+
+    def delete_conditional(self, key: str, expected: Version) -> None:
+        if self.down:
+            raise BackendError(f"S3 delete_conditional {key}: connection refused")
+        super().delete_conditional(key, expected)
+
+
+def test_a_run_interrupted_by_a_dead_server_reports_what_failed_not_the_lock() -> None:
+    clock = FakeClock(1000.0)
+    blobs = _DownAfterFirstDelete(clock)
+    service = MaintenanceService(blobs, clock, LeaseManager(blobs, clock, LeaseSettings()))
+    with pytest.raises(BackendError, match="S3 delete chunks/x"), service.lock("gc"):
+        blobs.down = True
+        blobs.delete("chunks/x")

@@ -22,7 +22,8 @@ from cas.cli import cli
 from cas.digest import Digest, digest_of
 from cas.names import MAX_REF_LENGTH, RefName, parse_ref_name
 from cas.refs.keys import MAX_PLAIN_NAME, ref_key
-from cas.refs.store import RefEvent, RefRecord, RefStore, encode_ref
+from cas.refs.records import RefEvent, RefRecord, encode_ref
+from cas.refs.store import RefStore
 
 LONGEST_PLAIN = "n" * MAX_PLAIN_NAME
 """A name whose key is its quoted self at the longest: what older stores hold as it is."""

@@ -17,7 +17,8 @@ from cas.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore
 from cas.digest import Digest, digest_of
 from cas.errors import LeaseExpired, NotFound, RefConflict
 from cas.refs.leases import LeaseManager, LeaseSettings
-from cas.refs.store import RefChange, RefRecord, RefStore
+from cas.refs.records import RefRecord
+from cas.refs.store import RefChange, RefStore
 from cas.testing.races import RaceBlobStore
 from tests.retention_helpers import FakeClock
 

@@ -20,7 +20,8 @@ from cas.errors import FormatError, NotFound, RefConflict
 from cas.names import RefName
 from cas.objects.store import manifest_key
 from cas.refs.keys import ref_key
-from cas.refs.store import RefRecord, RefStore
+from cas.refs.records import RefRecord, decode_ref
+from cas.refs.store import RefStore
 from cas.retention.gc import GCSettings
 from cas.training.manager import CheckpointManager
 from tests.retention_helpers import FakeClock, chunk_digests, local_repo, memory_repo, tensor
@@ -243,7 +244,7 @@ def test_an_unchanged_record_is_not_decoded_again_and_a_change_is_seen(
     digests = targets(repo, 3)
     mine, other = repo.refs_store, RefStore(repo.blobs)
     decoded: list[str] = []
-    real_decode = refs_mod.decode_ref
+    real_decode = decode_ref  # the store module calls it by this name; patched there below
 
     def counting_decode(name: RefName, data: bytes, version: Version | None) -> RefRecord:
         decoded.append(name)

@@ -296,7 +296,7 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     shown, then one warning line, and the exit status is 1.
     """
     from cas.errors import CASError
-    from cas.refs.store import RefEvent
+    from cas.refs.records import RefEvent
 
     repo = obj.open(create=False, readonly=True)
     events: list[RefEvent] = []

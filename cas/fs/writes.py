@@ -28,7 +28,7 @@ from cas.fs.views import file_records
 from cas.model.manifest import FileEntry, FileRegion, Manifest, TensorEntry
 from cas.names import check_relative_path, parse_ref_name
 from cas.objects.chunkio import WriteStats
-from cas.refs.store import RefRecord
+from cas.refs.records import RefRecord
 
 MAX_REF_RETRIES = 64
 """Compare-and-swap attempts on one ref before a write gives up with RefConflict."""

@@ -6,8 +6,10 @@ object is renamed into ``tmp/gc-trash`` first and its mtime read there. A writer
 before the rename moved that mtime (the object goes back), one after it finds no file and the
 writer stores the chunk again. A GC killed between rename and put-back leaves the object in the
 trash; the next run puts everything found there back before it plans. Other stores ``stat`` and
-then ``delete``, which leaves a window of one round trip. Which sweeper a store gets is decided by
-its capabilities (``local_root`` and ``supports_rename``), never by its class.
+then ``delete``; what makes that safe against a writer's touch in between is above this layer: the
+caller announces each batch (``Window``), and writers check the announcements before they commit
+(``cas.refs.sweeps``). Which sweeper a store gets is decided by its capabilities (``local_root``
+and ``supports_rename``), never by its class.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -35,6 +38,19 @@ Candidate = tuple[ObjectKind, Digest]
 
 
 @dataclass(frozen=True)
+class Window:
+    """How the caller brackets deletions: ``batch()`` around each batch (every delete of it has
+    returned when it exits), ``guard()`` right before each delete (raises to stop)."""
+
+    batch: Callable[[], AbstractContextManager[None]] = nullcontext
+    guard: Callable[[], None] = lambda: None
+    size: int = 4096
+
+
+NO_WINDOW = Window()
+
+
+@dataclass(frozen=True)
 class SweepOutcome:
     """What happened to one candidate: ``deleted`` (``size`` bytes freed), ``spared`` (reused
     since the plan) or ``gone`` (already deleted)."""
@@ -48,11 +64,9 @@ class SweepOutcome:
 class Sweeper:
     """Deletes candidate objects, re-checking each one's mtime at the last moment.
 
-    Deletions run on ``workers`` threads, ``BATCH`` keys at a time: each is a round trip on S3,
-    and on a local file system mounted with online discard each unlink waits for the device.
+    Deletions run on ``workers`` threads, a ``Window`` batch at a time: each is a round trip on
+    S3, and on a local file system mounted with online discard each unlink waits for the device.
     """
-
-    BATCH = 4096
 
     def __init__(self, blobs: BlobStore, workers: int = 64) -> None:
         self.blobs = blobs
@@ -62,14 +76,27 @@ class Sweeper:
         """Undo what a killed run left half done; return how many objects were put back."""
         return 0
 
-    def remove_many(self, candidates: Iterable[Candidate], cutoff: float) -> Iterator[SweepOutcome]:
-        """One outcome per candidate, in order."""
+    def remove_many(
+        self, candidates: Iterable[Candidate], cutoff: float, window: Window = NO_WINDOW
+    ) -> Iterator[SweepOutcome]:
+        """One outcome per candidate, in order, ``window.size`` at a time inside ``window``."""
         with ThreadPoolExecutor(self.workers, thread_name_prefix="cas-sweep") as pool:
-            for batch in _batches(candidates, self.BATCH):
-                yield from pool.map(lambda c: self.remove_one(c[0], c[1], cutoff), batch)
+            for batch in _batches(candidates, window.size):
+                with window.batch():
+                    outcomes = list(
+                        pool.map(lambda c: self.remove_one(c[0], c[1], cutoff, window.guard), batch)
+                    )
+                yield from outcomes
 
-    def remove_one(self, kind: ObjectKind, digest: Digest, cutoff: float) -> SweepOutcome:
-        """Delete one object unless it is gone or was modified at or after ``cutoff``."""
+    def remove_one(
+        self,
+        kind: ObjectKind,
+        digest: Digest,
+        cutoff: float,
+        guard: Callable[[], None] = NO_WINDOW.guard,
+    ) -> SweepOutcome:
+        """Delete one object unless it is gone or was modified at or after ``cutoff``; ``guard``
+        runs right before the delete."""
         key = object_key(kind, digest)
         try:
             info = self.blobs.stat(key)
@@ -77,6 +104,7 @@ class Sweeper:
             return SweepOutcome(kind, digest, "gone")
         if info.mtime >= cutoff:
             return SweepOutcome(kind, digest, "spared")
+        guard()
         self.blobs.delete(key)
         return SweepOutcome(kind, digest, "deleted", info.size)
 
@@ -127,12 +155,20 @@ class LocalSweeper(Sweeper):
         os.unlink(trashed)
         return restored
 
-    def remove_many(self, candidates: Iterable[Candidate], cutoff: float) -> Iterator[SweepOutcome]:
+    def remove_many(
+        self, candidates: Iterable[Candidate], cutoff: float, window: Window = NO_WINDOW
+    ) -> Iterator[SweepOutcome]:
         with disk_errors("deleting objects from", self.root):
             self.trash.mkdir(parents=True, exist_ok=True)
-            yield from super().remove_many(candidates, cutoff)
+            yield from super().remove_many(candidates, cutoff, window)
 
-    def remove_one(self, kind: ObjectKind, digest: Digest, cutoff: float) -> SweepOutcome:
+    def remove_one(
+        self,
+        kind: ObjectKind,
+        digest: Digest,
+        cutoff: float,
+        guard: Callable[[], None] = NO_WINDOW.guard,
+    ) -> SweepOutcome:
         key = object_key(kind, digest)
         home = os.path.join(self.root, key)
         trashed = os.path.join(self.trash, key.replace("/", "+"))
@@ -141,6 +177,7 @@ class LocalSweeper(Sweeper):
         try:
             if os.stat(home).st_mtime >= cutoff:
                 return SweepOutcome(kind, digest, "spared")
+            guard()
             os.rename(home, trashed)
         except FileNotFoundError:
             return SweepOutcome(kind, digest, "gone")

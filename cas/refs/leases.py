@@ -26,13 +26,15 @@ import re
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import CASError, FormatError, LeaseExpired, NotFound
+from cas.refs.liveness import process_gone
+from cas.refs.sweeps import IDLE, SweepState, read_sweep, settle
 
 LEASES_PREFIX = "leases/"
 LEASE_FORMAT = "cas-lease"
@@ -91,10 +93,18 @@ class LeaseRecord:
     version: Version | None
     readable: bool = True
     """False when the blob could not be parsed; GC then treats it conservatively."""
+    commits: tuple[str, ...] = ()
+    """Refs the writer declared it is about to move: GC fences them once the lease expired."""
 
     def live(self, now: float, margin: float) -> bool:
-        """Whether GC must still honour it at ``now`` (until ``margin`` after its expiry)."""
-        return now < self.expires + margin
+        """Whether GC must still honour it at ``now`` (until ``margin`` after its expiry), and
+        its writer may still be running: a lease of a process on this host that is gone lapses
+        at once."""
+        return now < self.expires + margin and not self.writer_gone()
+
+    def writer_gone(self) -> bool:
+        """Whether the writer is known dead: it ran on this host and its process is gone."""
+        return self.readable and process_gone(self.host, self.pid)
 
 
 def writer_id() -> str:
@@ -129,6 +139,9 @@ class WriterLease:
         self._refreshed = 0.0
         self._lost = ""
         self._lock = threading.Lock()
+        self.commits: tuple[str, ...] = ()
+        self.sweep: SweepState = IDLE
+        """GC's sweep record as it was when the lease was taken (``cas.refs.sweeps``)."""
 
     def _document(self, now: float) -> bytes:
         return encode_json(
@@ -142,6 +155,7 @@ class WriterLease:
                 "refreshed": now,
                 "expires": now + self.settings.duration,
                 "purpose": self.purpose[:200],
+                "commits": list(self.commits),
             }
         )
 
@@ -151,13 +165,34 @@ class WriterLease:
     # nothing (GC reads an unreadable lease as started at its mtime, which keeps it safe).
 
     def acquire(self) -> WriterLease:
-        """Write the lease blob; from now on GC spares what this writer touches."""
+        """Write the lease blob and read GC's sweep record; from now on GC spares what this
+        writer touches, and its commits can tell whether a deletion overlapped them."""
         now = self.clock()
         self.started = now
         self.blobs.put_transient(self.key, self._document(now))
         self._refreshed = now
         self.expires = now + self.settings.duration
+        self.sweep = read_sweep(self.blobs)
         return self
+
+    def declare(self, ref: str) -> None:
+        """Record in the lease blob that this writer is about to move ``ref``, before it reads
+        the ref for the compare-and-swap: GC fences the refs of a lease it finds expired, so a
+        writer paused past its lease can never publish (docs/gc.md, "Fenced commits")."""
+        with self._lock:
+            if ref in self.commits:
+                return
+            now = self.clock()
+            self._raise_if_expired(now)
+            self.commits = (*self.commits, ref)
+            self.blobs.put_transient(self.key, self._document(now))
+            self._refreshed = now
+            self.expires = now + self.settings.duration
+
+    def settle(self, missing: Callable[[], Iterable[str]]) -> None:
+        """LeaseExpired if a GC deletion that overlapped this write took an object the commit
+        names; ``missing()`` lists those that are gone (asked only after an overlap)."""
+        settle(self.blobs, self.sweep, self.clock, self.settings.margin, missing)
 
     def refresh(self) -> None:
         """Extend the lease by ``duration``; LeaseExpired if it already ran out or GC reaped it."""
@@ -247,6 +282,18 @@ class LeaseManager:
         if lease is not None:
             lease.check()
 
+    def declare(self, ref: str) -> None:
+        """Declare in this thread's lease the ref it is about to move (no-op without one)."""
+        lease = self.current()
+        if lease is not None:
+            lease.declare(ref)
+
+    def settle(self, missing: Callable[[], Iterable[str]]) -> None:
+        """This thread's commit check against GC's sweeps (no-op without a lease)."""
+        lease = self.current()
+        if lease is not None:
+            lease.settle(missing)
+
     def beat(self, progress: Progress | None) -> Progress | None:
         """Wrap a progress callback so each unit of progress refreshes this thread's lease.
 
@@ -316,6 +363,7 @@ def _parse_lease(
             float(doc["expires"]),
             str(doc.get("purpose", "")),
             version,
+            commits=tuple(str(ref) for ref in doc.get("commits", ())),
         )
     except (ValueError, KeyError, TypeError):
         return LeaseRecord(

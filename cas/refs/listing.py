@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cas.refs.store import RefRecord, RefStore
+from cas.refs.records import RefRecord
+from cas.refs.store import RefStore
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from cas.errors import CASError, FormatError
 from cas.model.manifest import ChunkRef, FileEntry, Manifest, decode_manifest, encode_manifest
 from cas.names import RefName, parse_ref_name
 from cas.refs import legacy_logs, segments
-from cas.refs.store import RefChange, RefRecord, RefStore
+from cas.refs.records import RefRecord
+from cas.refs.store import RefChange, RefStore
 
 LOG_FORMAT = "cas-log"
 LOG_VERSION = 1

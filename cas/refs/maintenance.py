@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,11 +32,14 @@ from cas.refs.leases import (
     read_leases,
     writer_id,
 )
+from cas.refs.liveness import process_gone
+from cas.refs.sweeps import SWEEP_KEY, SweepWindows
 
 MAINTENANCE_LOCK_KEY = "locks/maintenance"
 LOCK_FORMAT = "cas-lock"
-LOCK_DURATION = 3600.0
-"""How long a maintenance lock lasts unless refreshed; a dead holder blocks no longer."""
+LOCK_DURATION = 600.0
+"""How long a maintenance lock lasts unless refreshed (GC refreshes it every sweep batch); a dead
+holder blocks no longer, and one on the same host not at all."""
 STATE_PREFIX = "state/"
 """Where small documents of maintenance runs live (the clock probe, the verify sampler)."""
 CLOCK_PROBE_KEY = STATE_PREFIX + "gc-clock"
@@ -49,6 +54,12 @@ class LockHolder:
     operation: str
     holder: str
     expires: float
+    host: str = ""
+    pid: int = 0
+
+    def gone(self) -> bool:
+        """Whether the holder is known dead: it ran on this host and its process is gone."""
+        return process_gone(self.host, self.pid)
 
     @property
     def description(self) -> str:
@@ -68,7 +79,13 @@ def parse_lock(data: bytes) -> LockHolder | None:
     """The holder a lock blob names, or None when it is unreadable."""
     try:
         doc = json.loads(data)
-        return LockHolder(str(doc.get("operation", "?")), str(doc["holder"]), float(doc["expires"]))
+        return LockHolder(
+            str(doc.get("operation", "?")),
+            str(doc["holder"]),
+            float(doc["expires"]),
+            str(doc.get("host", "")),
+            int(doc.get("pid", 0)),
+        )
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -102,6 +119,8 @@ class MaintenanceLock:
                 "format": LOCK_FORMAT,
                 "version": 1,
                 "holder": self.holder,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
                 "operation": self.operation,
                 "acquired": now,
                 "expires": now + self.duration,
@@ -138,7 +157,12 @@ class MaintenanceLock:
         except NotFound:
             data, version = b"", None
         holder = parse_lock(data)
-        if version is not None and holder is not None and self.clock() < holder.expires:
+        if (
+            version is not None
+            and holder is not None
+            and self.clock() < holder.expires
+            and not holder.gone()
+        ):
             raise LockHeld(
                 f"{holder.description} holds the store's maintenance lock until "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(holder.expires))} UTC; "
@@ -179,8 +203,14 @@ class MaintenanceLock:
     def __enter__(self) -> MaintenanceLock:
         return self.acquire()
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        if error is None:
+            self.release()
+            return
+        # The run failed: its error names what failed; a failing release (the store that broke
+        # the run is still down) must not replace it. An unreleased lock expires.
+        with contextlib.suppress(CASError):
+            self.release()
 
 
 class MaintenanceService:
@@ -195,6 +225,7 @@ class MaintenanceService:
         self.blobs = blobs
         self.clock = clock
         self.writers = writers
+        self._held: MaintenanceLock | None = None
 
     @property
     def settings(self) -> LeaseSettings:
@@ -236,7 +267,21 @@ class MaintenanceService:
         with MaintenanceLock(
             self.blobs, self.clock, operation=operation, duration=duration
         ) as held:
-            yield held
+            outer, self._held = self._held, held
+            try:
+                yield held
+            finally:
+                self._held = outer
+
+    def refresh_lock(self) -> None:
+        """Extend the maintenance lock this service holds (no-op when the caller holds it)."""
+        if self._held is not None:
+            self._held.refresh()
+
+    def sweep_windows(self) -> SweepWindows:
+        """GC's announcements of its batches of deletions (``cas.refs.sweeps``)."""
+        holder = self._held.holder if self._held is not None else writer_id()
+        return SweepWindows(self.blobs, self.clock, holder, self.settings.margin)
 
     def lock_holder(self) -> LockHolder | None:
         """Who holds the maintenance lock (None when it is free or unreadable)."""
@@ -253,6 +298,8 @@ class MaintenanceService:
         """
         existed = self.blobs.has(MAINTENANCE_LOCK_KEY)
         self.blobs.delete(MAINTENANCE_LOCK_KEY)
+        # The dead run's sweep window too, so no commit waits for it to expire.
+        self.blobs.delete(SWEEP_KEY)
         return existed
 
     def read_state(self, name: str) -> bytes | None:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -31,6 +32,7 @@ from cas.digest import Digest, parse_digest
 from cas.errors import CASError, FormatError, NotFound, PreconditionFailed, RefConflict
 from cas.model.manifest import Manifest, decode_manifest, encode_manifest
 from cas.names import RefName, parse_ref_name, ref_matches
+from cas.objects.keys import ObjectKind
 from cas.objects.store import ObjectStore
 from cas.refs import segments
 from cas.refs.keys import (
@@ -41,12 +43,19 @@ from cas.refs.keys import (
     ref_key,
 )
 from cas.refs.leases import LeaseManager
+from cas.refs.records import (
+    MAX_REF_BLOB,
+    FencedRef,
+    RefEvent,
+    RefRecord,
+    SealedHistory,
+    decode_ref,
+    encode_fence,
+    encode_ref,
+    pack_events,
+    unpack_events,
+)
 
-REF_FORMAT = "cas-ref"
-REF_VERSION = 1
-"""Records without sealed history are written as version 1, which older readers understand."""
-REF_VERSION_SEALED = 2
-"""Records that list sealed history segments: an older reader refuses them rather than lose history."""
 MAX_HISTORY = 10_000
 """History is append-only; past this many events, whole sealed segments are dropped oldest first
 (at sealing time, so a ref keeps fewer than ``MAX_HISTORY + 2 * SEAL_EVENTS``)."""
@@ -56,7 +65,6 @@ SEAL_EVENTS = 64
 """Events per sealed segment; after sealing, ``INLINE_HISTORY - SEAL_EVENTS`` or more stay inline."""
 REFLOG_MARK = "cas_reflog"
 """The meta key that makes a manifest a sealed history segment."""
-MAX_REF_BLOB = 16 << 20
 DECODED_REFS = 256
 """How many refs' decoded records a RefStore keeps for reuse."""
 UPDATE_ATTEMPTS = 64
@@ -74,49 +82,6 @@ class RefChange(Enum):
 
 UpdateFn = Callable[["RefRecord | None"], "Digest | RefChange"]
 """Given the ref's current record (None: no such ref), the target it should have next."""
-
-
-@dataclass(frozen=True)
-class RefEvent:
-    """One change of a ref: what it pointed at afterwards, when, and why."""
-
-    target: Digest
-    time: float
-    op: str
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class SealedHistory:
-    """A segment of a ref's older history, stored as an immutable manifest."""
-
-    digest: Digest
-    count: int
-    until: float
-    """The latest time one of its events was superseded: GC's reflog window reads a segment only
-    if this falls inside the window."""
-
-
-@dataclass(frozen=True)
-class RefRecord:
-    """A ref as stored: its current target, its recent history (oldest first, current last) and
-    the sealed segments holding older history (oldest first). ``RefStore.events`` walks all of it.
-    """
-
-    name: RefName
-    target: Digest
-    history: tuple[RefEvent, ...]
-    version: Version | None = None
-    """The blob version this record was read at; compare-and-swap uses it."""
-    sealed: tuple[SealedHistory, ...] = ()
-    legacy_key: str | None = field(default=None, compare=False)
-    """Set when the record was read from the key an older cas gave a long name
-    (``cas.refs.keys.legacy_key``); the next update moves it to its current key."""
-
-    @property
-    def depth(self) -> int:
-        """How many events the whole history holds."""
-        return segments.total(self.history, self.sealed)
 
 
 @dataclass(frozen=True)
@@ -154,53 +119,6 @@ def _decode_at(key: str, data: bytes, version: Version | None) -> RefRecord:
     return decode_ref(name, data, version)
 
 
-def encode_ref(record: RefRecord) -> bytes:
-    """The msgpack bytes of a ref record."""
-    doc: dict[str, Any] = {
-        "format": REF_FORMAT,
-        "version": REF_VERSION_SEALED if record.sealed else REF_VERSION,
-        "name": record.name,
-        "target": record.target,
-        "history": _pack_events(record.history),
-    }
-    if record.sealed:
-        doc["sealed"] = [[s.digest, s.count, s.until] for s in record.sealed]
-    packed: bytes = msgpack.packb(doc)
-    return packed
-
-
-def _pack_events(events: tuple[RefEvent, ...]) -> list[list[Any]]:
-    return [[e.target, e.time, e.op, e.message] for e in events]
-
-
-def _unpack_events(raw: Any) -> tuple[RefEvent, ...]:
-    return tuple(RefEvent(parse_digest(t), float(ts), str(op), str(msg)) for t, ts, op, msg in raw)
-
-
-def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord:
-    """Parse a ref blob, refusing unknown formats and versions."""
-    if len(data) > MAX_REF_BLOB:
-        raise FormatError(f"ref {name!r} is larger than {MAX_REF_BLOB} bytes")
-    try:
-        doc: Any = msgpack.unpackb(data, raw=False)
-        if not isinstance(doc, dict) or doc.get("format") != REF_FORMAT:
-            raise FormatError(f"ref {name!r} is not a cas ref")
-        if doc.get("version") not in (REF_VERSION, REF_VERSION_SEALED):
-            raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
-        history = _unpack_events(doc["history"])
-        sealed = tuple(
-            SealedHistory(parse_digest(d), _count(n), float(until))
-            for d, n, until in doc.get("sealed", ())
-        )
-        if not history:
-            raise FormatError(f"ref {name!r} has no history")
-        return RefRecord(name, parse_digest(doc["target"]), history, version, sealed)
-    except FormatError:
-        raise
-    except Exception as e:
-        raise FormatError(f"ref {name!r} is corrupt: {e}") from e
-
-
 def _ended_since(
     events: tuple[RefEvent, ...], newer_time: float, since: float, back: int
 ) -> Iterator[tuple[int, RefEvent]]:
@@ -211,12 +129,6 @@ def _ended_since(
         ended = events[i + 1].time if i + 1 < len(events) else newer_time
         if ended >= since:
             yield back + len(events) - 1 - i, event
-
-
-def _count(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise FormatError(f"bad sealed segment size {value!r}")
-    return value
 
 
 class RefStore:
@@ -385,8 +297,10 @@ class RefStore:
         ref = parse_ref_name(name)
         if attempts < 1:
             raise ValueError("a ref update needs at least one attempt")
+        if self.leases is not None:
+            self.leases.declare(ref)  # before the read the compare-and-swap depends on
         for _ in range(attempts):
-            current = self.try_get(ref)
+            current, version = self._current(ref)
             decision = fn(current)
             if decision is RefChange.KEEP:
                 return current
@@ -395,7 +309,8 @@ class RefStore:
                     if current is not None:
                         self._delete_record(current)
                     return None
-                return self._write_record(self._moved(ref, current, decision, op, message), current)
+                moved = self._moved(ref, current, decision, op, message)
+                return self._write_record(moved, current, version)
             except (PreconditionFailed, NotFound):
                 continue  # another writer got in between: decide again on its record
         raise RefConflict(
@@ -415,12 +330,26 @@ class RefStore:
             record = self._seal(record)
         return record
 
-    def _fence(self) -> None:
-        if self.leases is not None:
-            self.leases.check()  # a writer whose lease expired must not publish (invariant 5)
+    def _current(self, ref: RefName) -> tuple[RefRecord | None, Version | None]:
+        """The record (None: absent) and the version a compare-and-swap must expect."""
+        try:
+            record = self.get(ref)
+        except FencedRef as e:
+            return None, e.version
+        except NotFound:
+            return None, None
+        return record, record.version
 
-    def _write_record(self, record: RefRecord, current: RefRecord | None) -> RefRecord:
-        self._fence()
+    def _check_lease(self) -> None:
+        if self.leases is not None:
+            self.leases.check()  # a writer whose lease expired must not publish (invariant 11)
+
+    def _write_record(
+        self, record: RefRecord, current: RefRecord | None, expected: Version | None
+    ) -> RefRecord:
+        if self.leases is not None:
+            self.leases.settle(lambda: self._missing(record))
+        self._check_lease()
         record = replace(record, legacy_key=None)
         if current is not None and current.legacy_key is not None:
             # Create the current key, then drop the old one; a crash in between leaves both,
@@ -429,13 +358,41 @@ class RefStore:
             assert current.version is not None
             self.blobs.delete_conditional(current.legacy_key, current.version)
         else:
-            version = self.blobs.put_conditional(
-                ref_key(record.name), encode_ref(record), current.version if current else None
-            )
+            version = self.blobs.put_conditional(ref_key(record.name), encode_ref(record), expected)
         return self._remember(replace(record, version=version))
 
+    def _missing(self, record: RefRecord) -> list[str]:
+        """Objects ``record`` names (target manifest, its chunks, sealed history) that are gone."""
+        manifests = [record.target, *(s.digest for s in record.sealed)]
+        present = self.objects.has_many(ObjectKind.MANIFEST, manifests)
+        gone = [f"manifest {d}" for d, ok in present.items() if not ok]
+        if present[record.target]:
+            chunks = decode_manifest(self.objects.get_manifest(record.target)).chunk_digests()
+            found = self.objects.has_many(ObjectKind.CHUNK, chunks)
+            gone.extend(f"chunk {d}" for d, ok in found.items() if not ok)
+        return gone
+
+    def fence(self, name: str) -> Digest | None:
+        """Change ``name``'s blob so that a compare-and-swap prepared before now fails: GC's fence
+        of a commit an expired lease declared. The record stays as it was, with a fresh token; an
+        absent ref gets a fence record. Returns the ref's target (None: absent)."""
+        ref = parse_ref_name(name)
+        for _ in range(UPDATE_ATTEMPTS):
+            current, version = self._current(ref)
+            token = uuid.uuid4().hex
+            data = encode_ref(current, fence=token) if current else encode_fence(ref, token)
+            if current is not None and current.legacy_key is not None:
+                version = None  # a long name's record still at its old key: the new key wins
+            try:
+                self.blobs.put_conditional(ref_key(ref), data, version)
+            except (PreconditionFailed, NotFound):
+                continue  # a writer moved it meanwhile: fence what it wrote
+            self._decoded.pop(ref, None)
+            return current.target if current else None
+        raise RefConflict(f"ref {ref!r} kept changing: gc could not fence it")
+
     def _delete_record(self, current: RefRecord) -> None:
-        self._fence()
+        self._check_lease()
         assert current.version is not None
         self.blobs.delete_conditional(current.legacy_key or ref_key(current.name), current.version)
         self._decoded.pop(current.name, None)
@@ -486,7 +443,7 @@ class RefStore:
             segment = Manifest(
                 kind="state",
                 tensors=(),
-                meta={REFLOG_MARK: 1, "ref": record.name, "events": _pack_events(events)},
+                meta={REFLOG_MARK: 1, "ref": record.name, "events": pack_events(events)},
                 created_at=events[-1].time,
             )
             digest = self.objects.put_manifest(encode_manifest(segment), codec_by_name("zstd"))
@@ -506,7 +463,7 @@ class RefStore:
         if meta.get(REFLOG_MARK) != 1 or meta.get("ref") != record.name:
             raise FormatError(f"{where} is not a history segment of this ref")
         try:
-            events = _unpack_events(meta["events"])
+            events = unpack_events(meta["events"])
         except Exception as e:
             raise FormatError(f"{where} is corrupt: {e}") from e
         return tuple(segments.check_count(events, sealed, where))

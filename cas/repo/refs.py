@@ -20,7 +20,8 @@ from cas.refs.leases import LeaseManager, WriterLease, leased
 from cas.refs.listing import RefListing, list_refs
 from cas.refs.log import AppendLog
 from cas.refs.maintenance import LeaseStatus, LockHolder, MaintenanceService
-from cas.refs.store import UPDATE_ATTEMPTS, RefEvent, RefRecord, RefStore, UpdateFn
+from cas.refs.records import RefEvent, RefRecord
+from cas.refs.store import UPDATE_ATTEMPTS, RefStore, UpdateFn
 
 _ANY: Any = ...
 

@@ -12,13 +12,16 @@
 3. List chunks and manifests with their mtimes: unmarked ones older than the cutoff are candidates.
 
 If any ref or any root manifest cannot be read, planning raises (saying which and why) and
-nothing is deleted. Execution deletes manifests first, then chunks, so a manifest that is still
-stored never names a chunk this run deleted; reachable objects are never touched, so killing GC
-at any point leaves every kept ref loadable.
+nothing is deleted; a ref whose manifest is missing is set aside and reported (``broken_refs``).
+Execution first fences the commits of writers whose leases expired (``RefStore.fence``), then
+deletes manifests first, then chunks, so a manifest that is still stored never names a chunk this
+run deleted; reachable objects are never touched, so killing GC at any point leaves every kept ref
+loadable.
 
 A writer may reuse (touch) a candidate after it was listed; the object store's sweeper
-(``cas.objects.sweep``) re-checks every object at the moment it deletes it (exactly on local
-stores, within one round trip elsewhere).
+(``cas.objects.sweep``) re-checks every object right before it deletes it, inside announced sweep
+windows (``cas.refs.sweeps``) that committing writers check, so a reuse in the moment between
+the check and the delete aborts that commit instead of losing it (docs/gc.md, "Safety").
 """
 
 from __future__ import annotations
@@ -32,13 +35,22 @@ from cas.digest import Digest
 from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import decode_manifest
 from cas.objects.keys import ObjectKind
+from cas.objects.sweep import Window
 from cas.refs.leases import LeaseRecord
-from cas.refs.store import RefRecord
+from cas.refs.records import RefRecord
 from cas.refs.stores import Stores
 from cas.units import format_duration, format_size, parse_duration
 
 GC_SECTION = "gc"
 """The ``StoreConfig.extra`` section holding ``GCSettings``."""
+SWEEP_BATCH = 1024
+"""Deletions per announced sweep window: a committing writer waits for at most one batch."""
+REPLANS = 3
+"""How often execution plans again when a fenced writer turns out to have published first."""
+TMP_MIN_AGE = 600.0
+"""Seconds a temp file is left alone whatever the grace period: a writer's temp file lives only
+while it writes one blob (a lease's included, before GC can see that lease), and a grace of zero
+must not delete it under the writer."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,8 @@ class GCPlan:
     now: float
     cutoff: float
     """Unreachable objects modified at or after this time are spared."""
+    tmp_cutoff: float
+    """Temp files older than this go (at least ``TMP_MIN_AGE`` before the plan)."""
     settings: GCSettings
     refs: int
     root_manifests: int
@@ -116,6 +130,10 @@ class GCPlan:
     grace period, and what only recent manifests or ref history inside the window reach."""
     waiting_until: float | None = None
     """When the last of ``waiting_bytes`` becomes collectable (later while a writer lease is live)."""
+    broken_refs: tuple[str, ...] = ()
+    """Refs whose manifest is missing: set aside (they protect nothing), reported."""
+    kept_manifests: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    """Every manifest the plan keeps as a root."""
 
     @property
     def freed_bytes(self) -> int:
@@ -147,6 +165,7 @@ class GCPlan:
             "delete_tmp_files": len(self.tmp_files),
             "delete_tmp_bytes": self.tmp_bytes,
             "reap_leases": len(self.expired_leases),
+            "broken_refs": list(self.broken_refs),
             "freed_bytes": self.freed_bytes,
             "waiting_bytes": self.waiting_bytes,
             "waiting_until": self.waiting_until,
@@ -158,29 +177,53 @@ class GCPlan:
         return doc
 
     def execute(self, *, lock: bool = True) -> GCResult:
-        """Delete what the plan lists: manifests, then chunks, then temp files and dead leases.
+        """Fence dead writers' commits, then delete what the plan lists: manifests, then chunks,
+        then temp files and dead leases.
 
         Each object is checked once more right before it goes: one modified after the plan's
         cutoff (a writer reused it meanwhile) is spared.
         """
+        with self.stores.maintenance.lock("gc", enabled=lock):
+            plan = self
+            for _ in range(REPLANS):
+                if plan._fence():
+                    return plan._sweep()
+                plan = plan_gc(self.stores, self.settings, lock=False)
+            raise CASError("gc stopped, nothing deleted: fenced writers kept publishing refs")
+
+    def _fence(self) -> bool:
+        """Fence every ref an expired lease declared, so its writer can never publish; False if
+        one was published after planning to a manifest the plan does not keep (plan again)."""
+        for lease in self.expired_leases:
+            for ref in lease.commits:
+                try:
+                    target = self.stores.refs.fence(ref)
+                except CASError as e:
+                    raise type(e)(f"gc stopped before deleting: fencing ref {ref!r}: {e}") from e
+                if target is not None and target not in self.kept_manifests:
+                    return False
+        return True
+
+    def _sweep(self) -> GCResult:
         started = time.monotonic()
         maintenance = self.stores.maintenance
-        with maintenance.lock("gc", enabled=lock) as held:
-            sweeper = self.stores.objects.sweeper()
-            restored = sweeper.recover()
-            tally = _Tally()
-            for candidates in (
-                ((ObjectKind.MANIFEST, Digest(d)) for d in self.manifests),
-                ((ObjectKind.CHUNK, Digest(d)) for d in self.chunks),
-            ):
-                for outcome in sweeper.remove_many(candidates, self.cutoff):
-                    tally.add(outcome.kind, outcome.status, outcome.size)
-                    if held is not None and tally.seen % 20000 == 0:
-                        held.refresh()
-            tmp_files, tmp_bytes = sweeper.remove_tmp(self.tmp_files, self.cutoff)
-            reaped = 0
-            for lease in self.expired_leases:
-                reaped += maintenance.reap(lease)
+        sweeper = self.stores.objects.sweeper()
+        restored = sweeper.recover()
+        windows = maintenance.sweep_windows()
+        window = Window(windows.batch, windows.guard, SWEEP_BATCH)
+        tally = _Tally()
+        for candidates in (
+            ((ObjectKind.MANIFEST, Digest(d)) for d in self.manifests),
+            ((ObjectKind.CHUNK, Digest(d)) for d in self.chunks),
+        ):
+            for outcome in sweeper.remove_many(candidates, self.cutoff, window):
+                tally.add(outcome.kind, outcome.status, outcome.size)
+                if tally.seen % SWEEP_BATCH == 0:
+                    maintenance.refresh_lock()
+        tmp_files, tmp_bytes = sweeper.remove_tmp(self.tmp_files, self.tmp_cutoff)
+        reaped = 0
+        for lease in self.expired_leases:
+            reaped += maintenance.reap(lease)
         return GCResult(
             deleted_chunks=tally.counts[ObjectKind.CHUNK],
             deleted_chunk_bytes=tally.bytes[ObjectKind.CHUNK],
@@ -220,6 +263,11 @@ class GCPlan:
             )
         if self.waiting_bytes and self.waiting_until is not None:
             lines.append(f"  waiting: {self.waiting_line()}")
+        for name in self.broken_refs:
+            lines.append(
+                f"  WARNING: ref {name!r} names a missing manifest: set aside, it keeps nothing; "
+                "run `cas verify`"
+            )
         if self.missing_chunks:
             lines.append(
                 f"  WARNING: {self.missing_chunks} reachable chunks are missing; run `cas verify`"
@@ -327,8 +375,8 @@ def plan_gc(
         for digest in young:
             roots[digest] = "a recently written manifest"
         # Marked apart, so that what only the grace period or history keeps can be told.
-        needed, found = _mark(stores, {d: roots[d] for d in current}, current)
-        held, found_held = _mark(
+        needed, found, missing = _mark(stores, {d: roots[d] for d in current}, current)
+        held, found_held, _ = _mark(
             stores, {d: w for d, w in roots.items() if d not in current}, current
         )
         marked, found = needed | held, found + found_held
@@ -336,7 +384,8 @@ def plan_gc(
             d for d, (_, mtime) in manifest_infos.items() if d not in roots and mtime < cutoff
         )
         chunk_scan = _scan_chunks(stores, marked, cutoff, held - needed, settings.grace)
-        tmp = sweeper.stale_tmp(cutoff)
+        tmp_cutoff = min(cutoff, now - TMP_MIN_AGE)
+        tmp = sweeper.stale_tmp(tmp_cutoff)
         waiting = _Waiting(chunk_scan.waiting_bytes, chunk_scan.waiting_until)
         for root in roots.keys() - current - segments:
             if root in manifest_infos:
@@ -348,6 +397,7 @@ def plan_gc(
     return GCPlan(
         now=now,
         cutoff=cutoff,
+        tmp_cutoff=tmp_cutoff,
         settings=settings,
         refs=len(records),
         root_manifests=found,
@@ -372,6 +422,8 @@ def plan_gc(
         stores=stores,
         waiting_bytes=waiting.nbytes,
         waiting_until=waiting.until,
+        broken_refs=tuple(sorted(r.name for r in records if r.target in missing)),
+        kept_manifests=frozenset(d for d in roots if d not in missing),
     )
 
 
@@ -391,27 +443,32 @@ def _read_refs(stores: Stores) -> list[RefRecord]:
     return records
 
 
-def _mark(stores: Stores, roots: dict[str, str], current: set[str]) -> tuple[set[str], int]:
-    """Chunks named by the root manifests; a missing current target or a corrupt root refuses."""
+def _mark(
+    stores: Stores, roots: dict[str, str], current: set[str]
+) -> tuple[set[str], int, set[str]]:
+    """Chunks named by the root manifests, how many roots were read, and the refs' targets that
+    are missing (set aside: they can keep nothing). A corrupt root refuses."""
 
     def read(digest: str) -> frozenset[str] | None:
         try:
             manifest = decode_manifest(stores.objects.get_manifest(Digest(digest)))
-        except NotFound as e:
-            if digest in current:
-                raise _refused(e, f"{roots[digest]} names a missing manifest") from e
-            return None  # history or a recent unreferenced manifest that is gone: nothing to keep
+        except NotFound:
+            return None  # history, a recent unreferenced manifest, or a broken ref: keeps nothing
         except CASError as e:
             raise _refused(e, f"{roots[digest]}: manifest {digest[:16]} cannot be read") from e
         return frozenset(manifest.chunk_digests())
 
     marked: set[str] = set()
     found = 0
-    for chunks in stores.pool.map(read, list(roots)):
+    missing: set[str] = set()
+    digests = list(roots)
+    for digest, chunks in zip(digests, stores.pool.map(read, digests), strict=True):
         if chunks is not None:
             found += 1
             marked |= chunks
-    return marked, found
+        elif digest in current:
+            missing.add(digest)
+    return marked, found, missing
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 from cas.digest import Digest
 from cas.errors import NotFound, RefConflict
 from cas.names import ref_matches
-from cas.refs.store import RefRecord
+from cas.refs.records import RefRecord
 from cas.refs.stores import Stores
 from cas.retention.evictions import append_evictions
 from cas.retention.policy import PERIODS, RetentionPolicy, Rule, zone_of

@@ -26,7 +26,7 @@ from cas.model.manifest import Manifest, decode_manifest
 from cas.names import ref_matches
 from cas.objects.keys import ObjectKind
 from cas.refs.listing import DamagedRef, list_refs
-from cas.refs.store import RefRecord
+from cas.refs.records import RefRecord
 from cas.refs.stores import Stores
 
 ObjectId = tuple[ObjectKind, Digest]

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
 from cas.errors import CASError, NotFound
-from cas.refs.store import RefChange, RefRecord
+from cas.refs.records import RefRecord
+from cas.refs.store import RefChange
 from cas.repo.repository import Repository
 from cas.retention.policy import RetentionPolicy
 from cas.training import rng as rng_mod

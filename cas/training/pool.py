@@ -31,7 +31,8 @@ from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import Manifest
 from cas.model.subset import subset_manifest
 from cas.refs.log import AppendLog
-from cas.refs.store import RefChange, RefRecord
+from cas.refs.records import RefRecord
+from cas.refs.store import RefChange
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,145 @@
+"""Ref records: the msgpack document a ref's blob holds, and its encoding and decoding.
+
+A record names the ref's current target, its recent history inline and the sealed segments that
+hold older history (``cas.refs.segments``). A fence record (version 3) stands where no ref is: GC
+writes one over a dead writer's declared commit so that the writer's create-only write fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from cas.blobstore.base import Version
+from cas.digest import Digest, parse_digest
+from cas.errors import FormatError, NotFound
+from cas.names import RefName
+from cas.refs import segments
+
+REF_FORMAT = "cas-ref"
+REF_VERSION = 1
+"""Records without sealed history are written as version 1, which older readers understand."""
+REF_VERSION_SEALED = 2
+"""Records that list sealed history segments: an older reader refuses them rather than lose history."""
+REF_VERSION_FENCE = 3
+"""A fence record: GC fenced a dead writer's commit of a ref that did not exist; read as absent."""
+MAX_REF_BLOB = 16 << 20
+
+
+@dataclass(frozen=True)
+class RefEvent:
+    """One change of a ref: what it pointed at afterwards, when, and why."""
+
+    target: Digest
+    time: float
+    op: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class SealedHistory:
+    """A segment of a ref's older history, stored as an immutable manifest."""
+
+    digest: Digest
+    count: int
+    until: float
+    """The latest time one of its events was superseded: GC's reflog window reads a segment only
+    if this falls inside the window."""
+
+
+@dataclass(frozen=True)
+class RefRecord:
+    """A ref as stored: its current target, its recent history (oldest first, current last) and
+    the sealed segments holding older history (oldest first). ``RefStore.events`` walks all of it.
+    """
+
+    name: RefName
+    target: Digest
+    history: tuple[RefEvent, ...]
+    version: Version | None = None
+    """The blob version this record was read at; compare-and-swap uses it."""
+    sealed: tuple[SealedHistory, ...] = ()
+    legacy_key: str | None = field(default=None, compare=False)
+    """Set when the record was read from the key an older cas gave a long name
+    (``cas.refs.keys.legacy_key``); the next update moves it to its current key."""
+
+    @property
+    def depth(self) -> int:
+        """How many events the whole history holds."""
+        return segments.total(self.history, self.sealed)
+
+
+class FencedRef(NotFound):
+    """The ref's blob is a fence record (no such ref); ``version`` is what a creator replaces."""
+
+    def __init__(self, message: str, version: Version | None) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+def encode_ref(record: RefRecord, *, fence: str = "") -> bytes:
+    """The msgpack bytes of a ref record; ``fence``, a token GC writes to change its version."""
+    doc: dict[str, Any] = {
+        "format": REF_FORMAT,
+        "version": REF_VERSION_SEALED if record.sealed else REF_VERSION,
+        "name": record.name,
+        "target": record.target,
+        "history": pack_events(record.history),
+    }
+    if record.sealed:
+        doc["sealed"] = [[s.digest, s.count, s.until] for s in record.sealed]
+    if fence:
+        doc["fence"] = fence
+    packed: bytes = msgpack.packb(doc)
+    return packed
+
+
+def encode_fence(name: RefName, token: str) -> bytes:
+    """A fence record: stands where no ref is, so a paused creator's create-only write fails."""
+    doc = {"format": REF_FORMAT, "version": REF_VERSION_FENCE, "name": name, "fence": token}
+    packed: bytes = msgpack.packb(doc)
+    return packed
+
+
+def pack_events(events: tuple[RefEvent, ...]) -> list[list[Any]]:
+    """Events as msgpack-ready lists (inline in a record, or in a sealed segment)."""
+    return [[e.target, e.time, e.op, e.message] for e in events]
+
+
+def unpack_events(raw: Any) -> tuple[RefEvent, ...]:
+    """Events back from their msgpack lists; malformed ones raise (callers say where)."""
+    return tuple(RefEvent(parse_digest(t), float(ts), str(op), str(msg)) for t, ts, op, msg in raw)
+
+
+def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord:
+    """Parse a ref blob, refusing unknown formats and versions."""
+    if len(data) > MAX_REF_BLOB:
+        raise FormatError(f"ref {name!r} is larger than {MAX_REF_BLOB} bytes")
+    try:
+        doc: Any = msgpack.unpackb(data, raw=False)
+        if not isinstance(doc, dict) or doc.get("format") != REF_FORMAT:
+            raise FormatError(f"ref {name!r} is not a cas ref")
+        if doc.get("version") == REF_VERSION_FENCE and "target" not in doc:
+            raise FencedRef(f"no ref named {name!r} (a fenced commit's record)", version)
+        if doc.get("version") not in (REF_VERSION, REF_VERSION_SEALED):
+            raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
+        history = unpack_events(doc["history"])
+        sealed = tuple(
+            SealedHistory(parse_digest(d), _count(n), float(until))
+            for d, n, until in doc.get("sealed", ())
+        )
+        if not history:
+            raise FormatError(f"ref {name!r} has no history")
+        return RefRecord(name, parse_digest(doc["target"]), history, version, sealed)
+    except (FormatError, FencedRef):
+        raise
+    except Exception as e:
+        raise FormatError(f"ref {name!r} is corrupt: {e}") from e
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FormatError(f"bad sealed segment size {value!r}")
+    return value
