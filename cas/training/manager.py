@@ -55,7 +55,7 @@ from cas.training.restore import (
     unwrap,
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
-from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
+from cas.training.saves import PendingSave, PreparedSave, SaveResult, better, user_metadata
 from cas.training.signals import SignalTriggers
 
 if TYPE_CHECKING:
@@ -415,7 +415,7 @@ class CheckpointManager:
         def better_of(current: RefRecord | None) -> Digest | RefChange:
             if current is not None:
                 current_value = self._best_value(current.target, key)
-                if current_value is not None and not _better(float(value), current_value, mode):
+                if current_value is not None and not better(float(value), current_value, mode):
                     return RefChange.KEEP  # the best so far (perhaps another writer's) stands
             return digest
 
@@ -593,9 +593,3 @@ class CheckpointManager:
             mode, state, step, int(found.meta.get("phase", self.phase)), found.ref, found.digest,
             dict(found.meta.get("metrics", {})), found.meta, found.skipped, warnings,
         )  # fmt: skip
-
-
-def _better(value: float, current: float, mode: str) -> bool:
-    if math.isnan(current):
-        return True
-    return value < current if mode == "min" else value > current

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -84,3 +85,10 @@ def user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     plain = plain_record(0, metadata, what="metadata")
     plain.pop("step")
     return plain
+
+
+def better(value: float, current: float, mode: str) -> bool:
+    """Whether a metric ``value`` beats the ``current`` best (NaN: no best yet) under ``mode``."""
+    if math.isnan(current):
+        return True
+    return value < current if mode == "min" else value > current
