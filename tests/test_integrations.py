@@ -148,6 +148,107 @@ def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
         assert files_under(restored) == files, step
 
 
+def hf_args(output_dir: Path, **overrides: Any) -> Any:
+    from transformers import TrainingArguments
+
+    settings: dict[str, Any] = dict(
+        output_dir=str(output_dir), max_steps=4, save_steps=2, save_strategy="steps",
+        per_device_train_batch_size=4, report_to=[], use_cpu=True, disable_tqdm=True,
+        logging_steps=100, seed=0, lr_scheduler_type="constant",
+    )  # fmt: skip
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def checkpoint_dirs(output_dir: Path) -> list[str]:
+    return sorted(p.name for p in output_dir.glob("checkpoint-*")) if output_dir.exists() else []
+
+
+def weights(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("async_ingest", [False, True])
+def test_hf_store_replaces_the_local_checkpoint_directories(
+    tmp_path: Path, async_ingest: bool
+) -> None:
+    model = tiny_bert()
+    from transformers import Trainer
+
+    from cas.training.integrations.hf import CASCallback
+
+    repo = cas.open(tmp_path / "store")
+    written = checkpoint_recorder()
+    callback = CASCallback(repo, "runs/bert", async_ingest=async_ingest, keep_local=False)
+    Trainer(model=model, args=hf_args(tmp_path / "out", max_steps=6),
+            train_dataset=Tokens(), callbacks=[written, callback]).train()  # fmt: skip
+    assert checkpoint_dirs(tmp_path / "out") == []
+    assert [step for step, _, _ in callback.stored] == [2, 4, 6] == sorted(written.files)
+
+
+def test_hf_store_without_local_copies_still_loads_the_best_model_at_the_end(
+    tmp_path: Path,
+) -> None:
+    model = tiny_bert()
+    from safetensors.torch import load_file
+    from transformers import Trainer
+
+    from cas.training.integrations.hf import CASCallback, restore_checkpoint
+
+    repo = cas.open(tmp_path / "store")
+    callback = CASCallback(repo, "runs/bert", keep_local=False)
+    # "Best" is the highest eval loss (it falls as this model trains): an early checkpoint, which
+    # the Trainer loads back at the end.
+    args = hf_args(tmp_path / "out", max_steps=6, eval_strategy="steps", eval_steps=2,
+                   load_best_model_at_end=True, metric_for_best_model="loss",
+                   greater_is_better=True)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
+                      callbacks=[callback])  # fmt: skip
+    trainer.train()
+    assert checkpoint_dirs(tmp_path / "out") == []
+    best_step = int(str(trainer.state.best_model_checkpoint).rpartition("-")[2])
+    assert best_step < 6
+    best = restore_checkpoint(repo, f"runs/bert/ckpt_step{best_step:08d}", tmp_path / "back")
+    stored = load_file(str(best / "model.safetensors"))
+    for name, tensor in weights(trainer.model).items():
+        if name in stored:
+            assert torch.equal(tensor, stored[name]), name
+
+
+def test_hf_resumes_from_a_ref_at_its_step_without_a_hand_made_directory(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainerCallback
+
+    from cas.training.integrations.hf import CASCallback, resume_dir
+
+    class StartStep(TrainerCallback):  # type: ignore[misc,unused-ignore]
+        step: int | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.step = state.global_step
+
+    straight = Trainer(model=tiny_bert(), args=hf_args(tmp_path / "straight", max_steps=6),
+                       train_dataset=Tokens())  # fmt: skip
+    straight.train()
+
+    repo = cas.open(tmp_path / "store")
+    args = hf_args(tmp_path / "out", max_steps=4)
+    first = CASCallback(repo, "runs/bert", keep_local=False)
+    Trainer(model=tiny_bert(), args=args, train_dataset=Tokens(), callbacks=[first]).train()
+    assert checkpoint_dirs(tmp_path / "out") == []
+
+    start = StartStep()
+    args = hf_args(tmp_path / "out", max_steps=6)
+    resumed = Trainer(model=tiny_bert(), args=args, train_dataset=Tokens(),
+                      callbacks=[start, CASCallback(repo, "runs/bert", keep_local=False)])  # fmt: skip
+    resumed.train(resume_from_checkpoint=resume_dir(repo, "runs/bert/latest", args.output_dir))
+    assert start.step == 4
+    assert resumed.state.global_step == 6
+    assert checkpoint_dirs(tmp_path / "out") == []  # the restored directory went once read
+    after, expected = weights(resumed.model), weights(straight.model)
+    for name, tensor in expected.items():
+        assert torch.equal(after[name], tensor), name
+
+
 # -- Lightning ------------------------------------------------------------------------------------
 
 
