@@ -708,3 +708,29 @@ def test_a_save_commits_checkpoint_history_and_latest_under_one_writer_lease(
     assert acquired == ["checkpoint", "checkpoint"]
     assert mgr.latest() is not None and len(mgr.history) >= 2
     assert list(repo.blobs.list("leases/")) == []  # released after each save
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_manager_saves_and_resumes_sparse_tensors_bit_exact(
+    repo: cas.Repository, async_save: bool
+) -> None:
+    from tests.test_roundtrip import assert_same_sparse, sparse_examples
+
+    sparse = sparse_examples()
+    with manager(repo, async_save=async_save) as mgr:
+        mgr.save(10, {"embedding": sparse}).result()
+        for tensor in sparse.values():  # the next step changes them in place: the save has its copy
+            (tensor._values() if tensor.layout == torch.sparse_coo else tensor.values()).zero_()
+    restored = manager(repo, async_save=async_save).restore("resume")
+    assert restored.step == 10
+    for name, tensor in sparse_examples().items():
+        assert_same_sparse(restored.state["embedding"][name], tensor)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_manager_refuses_a_sparse_layout_it_cannot_store_with_a_cas_error(
+    repo: cas.Repository, async_save: bool
+) -> None:
+    csc = torch.eye(3).to_sparse_csc()
+    with manager(repo, async_save=async_save) as mgr, pytest.raises(cas.FormatError, match="csc"):
+        mgr.save(1, {"w": csc}).result()
