@@ -38,10 +38,12 @@ from cas.training.async_save import AsyncWriter, Stager, ThreadLender
 from cas.training.compat import (
     ConfigMismatch,
     StrictLoadError,
+    SystemMismatch,
     check_config,
     check_keys,
+    check_system,
     config_hash,
-    plain_config,
+    resume_meta,
 )
 from cas.training.history import HistoryRecord, TrainingHistory, plain_record
 from cas.training.restore import (
@@ -54,7 +56,7 @@ from cas.training.restore import (
     unwrap,
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
-from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
+from cas.training.saves import PendingSave, PreparedSave, SaveResult, beats_best, user_metadata
 from cas.training.signals import SignalTriggers
 
 if TYPE_CHECKING:
@@ -71,6 +73,7 @@ __all__ = [
     "SaveResult",
     "Skipped",
     "StrictLoadError",
+    "SystemMismatch",
     "config_hash",
     "new_run_id",
 ]
@@ -95,6 +98,7 @@ class CheckpointManager:
         best: tuple[str, str] | None = None,
         policy: Any = None,
         config: Any = None,
+        system_hash: str | None = None,
         layout: Layout = DEFAULT_LAYOUT,
         async_save: bool = True,
         max_in_flight: int = 1,
@@ -116,6 +120,7 @@ class CheckpointManager:
         self.policy = policy
         self.config = config
         self.config_hash = config_hash(config) if config is not None else None
+        self.system_hash = system_hash
         self.layout = layout
         self.exit_on_stop = exit_on_stop
         self.capture_rng = capture_rng
@@ -343,11 +348,7 @@ class CheckpointManager:
             "step": step, "trigger": trigger, "status": status, "metrics": metrics,
             "seed": self.seed, "saved_at": self.clock(),
         }  # fmt: skip
-        if self.config_hash is not None:
-            meta["config_hash"] = self.config_hash
-            plain = plain_config(self.config)
-            if plain is not None:
-                meta["config"] = plain
+        meta.update(resume_meta(self.config_hash, self.config, self.system_hash))
         return meta
 
     def _write(self, prepared: PreparedSave) -> SaveResult:
@@ -414,7 +415,7 @@ class CheckpointManager:
         def better_of(current: RefRecord | None) -> Digest | RefChange:
             if current is not None:
                 current_value = self._best_value(current.target, key)
-                if current_value is not None and not _better(float(value), current_value, mode):
+                if current_value is not None and not beats_best(float(value), current_value, mode):
                     return RefChange.KEEP  # the best so far (perhaps another writer's) stands
             return digest
 
@@ -532,6 +533,7 @@ class CheckpointManager:
         keys: str | list[str] | None = None,
         template: Any = None,
         map_location: str | torch.device | None = None,
+        allow_system_change: bool = False,
     ) -> Restored:
         """Start the run: ``fresh``, ``warm_start``, ``resume`` or ``auto`` (resume if possible).
 
@@ -541,7 +543,8 @@ class CheckpointManager:
           check; use it at a phase transition, with ``template`` for a strict key check.
         - ``resume``: the exact state, RNGs restored; the config hash must match. Without a
           ``source``, a latest checkpoint that fails verification is skipped for the one before
-          it, with a warning and an entry in ``Restored.fallbacks``.
+          it, with a warning and an entry in ``Restored.fallbacks``. The ``system_hash`` must
+          match too, unless ``allow_system_change``.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -559,15 +562,18 @@ class CheckpointManager:
             raise NotFound(f"run {self.run} has no checkpoint to {mode.replace('_', ' ')} from")
         else:
             candidates = resume_candidates(self.repo, self.latest_ref)
-        check = self._check_config if mode == "resume" else None
+
+        def check(ref: str, meta: Mapping[str, Any]) -> None:
+            check_config(ref, meta, self.config_hash, self.config)
+            if not allow_system_change:
+                check_system(ref, meta, self.system_hash)
+
         found = load_first_good(
             self.repo, candidates, keys=keys, map_location=map_location,
-            with_rng=mode == "resume", check=check, fallback=source is None,
+            with_rng=mode == "resume", check=check if mode == "resume" else None,
+            fallback=source is None,
         )  # fmt: skip
         return self._restored(mode, found, template)
-
-    def _check_config(self, ref: str, meta: Mapping[str, Any]) -> None:
-        check_config(ref, meta, self.config_hash, self.config)
 
     def _restored(self, mode: str, found: Found, template: Any) -> Restored:
         state = unwrap(found.tree, found.meta)
@@ -592,9 +598,3 @@ class CheckpointManager:
             mode, state, step, int(found.meta.get("phase", self.phase)), found.ref, found.digest,
             dict(found.meta.get("metrics", {})), found.meta, found.skipped, warnings,
         )  # fmt: skip
-
-
-def _better(value: float, current: float, mode: str) -> bool:
-    if math.isnan(current):
-        return True
-    return value < current if mode == "min" else value > current

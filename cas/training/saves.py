@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class PreparedSave:
 
 RESERVED_META = frozenset(
     {"cas_checkpoint", "run", "phase", "step", "trigger", "status", "metrics", "seed",
-     "saved_at", "config_hash", "config"}
+     "saved_at", "config_hash", "config", "system_hash"}
 )  # fmt: skip
 """The manifest meta keys the manager writes itself; ``metadata=`` may not use them."""
 
@@ -84,3 +85,11 @@ def user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     plain = plain_record(0, metadata, what="metadata")
     plain.pop("step")
     return plain
+
+
+def beats_best(value: float, current: float, mode: str) -> bool:
+    """Whether a metric ``value`` replaces the ``current`` best under ``"min"`` or ``"max"``
+    (anything beats a NaN best)."""
+    if math.isnan(current):
+        return True
+    return value < current if mode == "min" else value > current
