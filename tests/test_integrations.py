@@ -148,6 +148,107 @@ def test_hf_async_ingest_finishes_before_the_trainer_rotates_checkpoints(
         assert files_under(restored) == files, step
 
 
+def hf_args(output_dir: Path, **overrides: Any) -> Any:
+    from transformers import TrainingArguments
+
+    settings: dict[str, Any] = dict(
+        output_dir=str(output_dir), max_steps=4, save_steps=2, save_strategy="steps",
+        per_device_train_batch_size=4, report_to=[], use_cpu=True, disable_tqdm=True,
+        logging_steps=100, seed=0, lr_scheduler_type="constant",
+    )  # fmt: skip
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def checkpoint_dirs(output_dir: Path) -> list[str]:
+    return sorted(p.name for p in output_dir.glob("checkpoint-*")) if output_dir.exists() else []
+
+
+def weights(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("async_ingest", [False, True])
+def test_hf_store_replaces_the_local_checkpoint_directories(
+    tmp_path: Path, async_ingest: bool
+) -> None:
+    model = tiny_bert()
+    from transformers import Trainer
+
+    from cas.training.integrations.hf import CASCallback
+
+    repo = cas.open(tmp_path / "store")
+    written = checkpoint_recorder()
+    callback = CASCallback(repo, "runs/bert", async_ingest=async_ingest, keep_local=False)
+    Trainer(model=model, args=hf_args(tmp_path / "out", max_steps=6),
+            train_dataset=Tokens(), callbacks=[written, callback]).train()  # fmt: skip
+    assert checkpoint_dirs(tmp_path / "out") == []
+    assert [step for step, _, _ in callback.stored] == [2, 4, 6] == sorted(written.files)
+
+
+def test_hf_store_without_local_copies_still_loads_the_best_model_at_the_end(
+    tmp_path: Path,
+) -> None:
+    model = tiny_bert()
+    from safetensors.torch import load_file
+    from transformers import Trainer
+
+    from cas.training.integrations.hf import CASCallback, restore_checkpoint
+
+    repo = cas.open(tmp_path / "store")
+    callback = CASCallback(repo, "runs/bert", keep_local=False)
+    # "Best" is the highest eval loss (it falls as this model trains): an early checkpoint, which
+    # the Trainer loads back at the end.
+    args = hf_args(tmp_path / "out", max_steps=6, eval_strategy="steps", eval_steps=2,
+                   load_best_model_at_end=True, metric_for_best_model="loss",
+                   greater_is_better=True)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
+                      callbacks=[callback])  # fmt: skip
+    trainer.train()
+    assert checkpoint_dirs(tmp_path / "out") == []
+    best_step = int(str(trainer.state.best_model_checkpoint).rpartition("-")[2])
+    assert best_step < 6
+    best = restore_checkpoint(repo, f"runs/bert/ckpt_step{best_step:08d}", tmp_path / "back")
+    stored = load_file(str(best / "model.safetensors"))
+    for name, tensor in weights(trainer.model).items():
+        if name in stored:
+            assert torch.equal(tensor, stored[name]), name
+
+
+def test_hf_resumes_from_a_ref_at_its_step_without_a_hand_made_directory(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainerCallback
+
+    from cas.training.integrations.hf import CASCallback, resume_dir
+
+    class StartStep(TrainerCallback):  # type: ignore[misc,unused-ignore]
+        step: int | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.step = state.global_step
+
+    straight = Trainer(model=tiny_bert(), args=hf_args(tmp_path / "straight", max_steps=6),
+                       train_dataset=Tokens())  # fmt: skip
+    straight.train()
+
+    repo = cas.open(tmp_path / "store")
+    args = hf_args(tmp_path / "out", max_steps=4)
+    first = CASCallback(repo, "runs/bert", keep_local=False)
+    Trainer(model=tiny_bert(), args=args, train_dataset=Tokens(), callbacks=[first]).train()
+    assert checkpoint_dirs(tmp_path / "out") == []
+
+    start = StartStep()
+    args = hf_args(tmp_path / "out", max_steps=6)
+    resumed = Trainer(model=tiny_bert(), args=args, train_dataset=Tokens(),
+                      callbacks=[start, CASCallback(repo, "runs/bert", keep_local=False)])  # fmt: skip
+    resumed.train(resume_from_checkpoint=resume_dir(repo, "runs/bert/latest", args.output_dir))
+    assert start.step == 4
+    assert resumed.state.global_step == 6
+    assert checkpoint_dirs(tmp_path / "out") == []  # the restored directory went once read
+    after, expected = weights(resumed.model), weights(straight.model)
+    for name, tensor in expected.items():
+        assert torch.equal(after[name], tensor), name
+
+
 # -- Lightning ------------------------------------------------------------------------------------
 
 
@@ -206,6 +307,120 @@ def test_lightning_saves_prunes_and_resumes_through_the_store(tmp_path: Path) ->
     )  # fmt: skip
     resumed.fit(Regressor(), loader(), ckpt_path=checkpoints.last_model_path)
     assert resumed.global_step == 8
+
+
+def lightning_run(
+    tmp_path: Path, route: str, max_steps: int, ckpt_path: str | None = None
+) -> tuple[Any, Any, cas.Repository]:
+    """Fit a small regressor for ``max_steps`` with checkpoints every 2 steps and ``save_last``,
+    either through ``CASCheckpointIO`` ("plugin") or a ``cas://`` dirpath ("cas_url"); return the
+    trainer, the model and the store. ``model.started`` records the step and weights training
+    started from."""
+    L = require_module("lightning", LIGHTNING_EXTRA)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from cas.training.integrations.lightning import CASCheckpointIO
+
+    class Regressor(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+            self.started: tuple[int, torch.Tensor] | None = None
+
+        def on_train_start(self) -> None:
+            self.started = (self.trainer.global_step, self.net.weight.detach().clone())
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            loss: torch.Tensor = self.net(batch[0]).pow(2).mean()
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    data = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8)
+    repo = cas.open(tmp_path / "store")
+    plugins: list[Any] = []
+    if route == "plugin":
+        dirpath: str | Path = tmp_path / "ckpts"
+        plugins = [CASCheckpointIO(repo, "runs/lit")]
+    else:
+        dirpath = "cas://runs/lit"  # the store is $CAS_STORE
+    checkpoints = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last=True)
+    trainer = L.Trainer(
+        max_steps=max_steps, plugins=plugins, callbacks=[checkpoints], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    torch.manual_seed(max_steps)  # each run starts from other weights
+    model = Regressor()
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return trainer, model, repo
+
+
+def stored_lightning_checkpoint(repo: cas.Repository, route: str, name: str) -> dict[str, Any]:
+    if route == "plugin":
+        return dict(repo.load(f"runs/lit/{name}"))
+    from cas.fs.filesystem import CASFileSystem
+
+    with CASFileSystem(repo=repo, skip_instance_cache=True).open(f"runs/lit/{name}", "rb") as f:
+        loaded: dict[str, Any] = torch.load(f, weights_only=True)
+    return loaded
+
+
+LIGHTNING_ROUTES = ["plugin", "cas_url"]
+
+
+@pytest.fixture
+def cas_store_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``$CAS_STORE`` names the test's store, for ``cas://`` paths Lightning opens itself."""
+    monkeypatch.setenv("CAS_STORE", str(tmp_path / "store"))
+    cas.open(tmp_path / "store")
+    return tmp_path / "store"
+
+
+@pytest.mark.parametrize("route", LIGHTNING_ROUTES)
+def test_lightning_fit_last_resumes_from_the_store_at_the_step_it_stopped(
+    tmp_path: Path, cas_store_env: Path, route: str
+) -> None:
+    first, trained, repo = lightning_run(tmp_path, route, max_steps=4, ckpt_path="last")
+    assert first.global_step == 4 and trained.started[0] == 0  # nothing to resume yet
+    saved = stored_lightning_checkpoint(repo, route, "last.ckpt")
+    assert saved["global_step"] == 4
+    assert torch.equal(saved["state_dict"]["net.weight"], trained.net.weight.detach())
+
+    resumed, model, _ = lightning_run(tmp_path, route, max_steps=6, ckpt_path="last")
+    step, weights = model.started
+    assert step == 4, "trained from scratch instead of resuming"
+    assert torch.equal(weights, trained.net.weight.detach())
+    assert resumed.global_step == 6
+    assert stored_lightning_checkpoint(repo, route, "last.ckpt")["global_step"] == 6
+
+
+def lightning_names(repo: cas.Repository, route: str) -> list[str]:
+    if route == "plugin":
+        return [r.name.rpartition("/")[2] for r in repo.refs("runs/lit/") if "ckpt" in r.name]
+    return [name for name in repo.show("runs/lit")["files"] if name.endswith(".ckpt")]
+
+
+@pytest.mark.parametrize("route", LIGHTNING_ROUTES)
+def test_a_lightning_rerun_keeps_the_previous_runs_checkpoints_as_local_disk_would(
+    tmp_path: Path, cas_store_env: Path, route: str
+) -> None:
+    # On local disk a second run into the same directory writes last-v1.ckpt and
+    # epoch=0-step=4-v1.ckpt next to the first run's files; "last" is then the newer one.
+    _, first, repo = lightning_run(tmp_path, route, max_steps=4)
+    before = stored_lightning_checkpoint(repo, route, "last.ckpt")
+    _, second, _ = lightning_run(tmp_path, route, max_steps=4)
+    assert sorted(lightning_names(repo, route)) == [
+        "epoch=0-step=4-v1.ckpt", "epoch=0-step=4.ckpt", "last-v1.ckpt", "last.ckpt",
+    ]  # fmt: skip
+    kept = stored_lightning_checkpoint(repo, route, "last.ckpt")
+    assert torch.equal(kept["state_dict"]["net.weight"], before["state_dict"]["net.weight"])
+    assert torch.equal(kept["state_dict"]["net.weight"], first.net.weight.detach())
+
+    _, resumed, _ = lightning_run(tmp_path, route, max_steps=6, ckpt_path="last")
+    step, weights = resumed.started
+    assert step == 4 and torch.equal(weights, second.net.weight.detach())
 
 
 # -- torch.distributed.checkpoint -----------------------------------------------------------------

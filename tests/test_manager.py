@@ -708,3 +708,55 @@ def test_a_save_commits_checkpoint_history_and_latest_under_one_writer_lease(
     assert acquired == ["checkpoint", "checkpoint"]
     assert mgr.latest() is not None and len(mgr.history) >= 2
     assert list(repo.blobs.list("leases/")) == []  # released after each save
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_manager_saves_and_resumes_sparse_tensors_bit_exact(
+    repo: cas.Repository, async_save: bool
+) -> None:
+    from tests.test_roundtrip import assert_same_sparse, sparse_examples
+
+    sparse = sparse_examples()
+    with manager(repo, async_save=async_save) as mgr:
+        mgr.save(10, {"embedding": sparse}).result()
+        for tensor in sparse.values():  # the next step changes them in place: the save has its copy
+            (tensor._values() if tensor.layout == torch.sparse_coo else tensor.values()).zero_()
+    restored = manager(repo, async_save=async_save).restore("resume")
+    assert restored.step == 10
+    for name, tensor in sparse_examples().items():
+        assert_same_sparse(restored.state["embedding"][name], tensor)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_manager_refuses_a_sparse_layout_it_cannot_store_with_a_cas_error(
+    repo: cas.Repository, async_save: bool
+) -> None:
+    csc = torch.eye(3).to_sparse_csc()
+    with manager(repo, async_save=async_save) as mgr, pytest.raises(cas.FormatError, match="csc"):
+        mgr.save(1, {"w": csc}).result()
+
+
+def test_resume_refuses_a_checkpoint_saved_for_other_input_data(
+    repo: cas.Repository, tmp_path: Path
+) -> None:
+    from cas.training.manager import SystemMismatch
+
+    def stored_inputs(text: str, ref: str) -> str:
+        (tmp_path / "system.yaml").write_text(text)
+        return str(repo.put_path(tmp_path / "system.yaml", ref))  # the input data's digest
+
+    model, opt = make_model()
+    inputs_v1 = stored_inputs("system: 3 plants, 12 stages", "inputs/v1")
+    with manager(repo, system_hash=inputs_v1) as mgr:
+        mgr.save(5, state_of(model, opt)).result()
+    assert repo.manifest("runs/r1/latest").meta["system_hash"] == inputs_v1
+
+    inputs_v2 = stored_inputs("system: 4 plants, 12 stages", "inputs/v2")
+    with pytest.raises(SystemMismatch, match="input data") as refused:
+        manager(repo, system_hash=inputs_v2).restore("resume")
+    assert isinstance(refused.value, ConfigMismatch)  # caught wherever a config change is
+    assert manager(repo, system_hash=inputs_v1).restore("resume").step == 5
+    told = manager(repo, system_hash=inputs_v2).restore("resume", allow_system_change=True)
+    assert told.step == 5
+    assert manager(repo, system_hash=inputs_v2).restore("warm_start").step == 5
+    assert manager(repo).restore("resume").step == 5  # a run without a system hash checks none

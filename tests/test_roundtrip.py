@@ -244,3 +244,76 @@ def test_a_read_only_local_store_loads_by_mmap(
     monkeypatch.setattr(mmap, "mmap", counting_mmap)
     assert_bit_exact(state, repo.load("t/mm", mmap=True))
     assert len(mapped) == 1  # the one chunk of ``w``, mapped through the read-only view
+
+
+# -- sparse tensors -------------------------------------------------------------------------------
+
+
+def sparse_examples() -> dict[str, torch.Tensor]:
+    """COO (uncoalesced with a repeated index, coalesced, hybrid with dense values) and CSR, with
+    values of every bit pattern."""
+    gen = torch.Generator().manual_seed(7)
+    indices = torch.tensor([[0, 3, 3, 1, 0], [2, 0, 0, 4, 2]])
+    values = _random_bits((5,), torch.float32, 1)
+    dense = torch.randn(6, 7, generator=gen) * (torch.rand(6, 7, generator=gen) > 0.7)
+    return {
+        "coo": torch.sparse_coo_tensor(indices, values, (4, 5)),
+        "coo_coalesced": torch.sparse_coo_tensor(indices, values, (4, 5)).coalesce(),
+        "coo_hybrid": torch.sparse_coo_tensor(
+            indices, _random_bits((5, 3), torch.bfloat16, 2), (4, 5, 3)
+        ),
+        "csr": dense.to_sparse_csr(),
+        "csr_int32": torch.sparse_csr_tensor(
+            torch.tensor([0, 2, 2, 3], dtype=torch.int32),
+            torch.tensor([1, 4, 0], dtype=torch.int32),
+            _random_bits((3,), torch.float64, 3),
+            (3, 5),
+        ),
+    }
+
+
+def assert_same_sparse(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.layout == want.layout and got.shape == want.shape
+    if want.layout == torch.sparse_coo:
+        assert got.is_coalesced() == want.is_coalesced()
+        pairs = [(got._indices(), want._indices()), (got._values(), want._values())]
+    else:
+        pairs = [(got.crow_indices(), want.crow_indices()), (got.col_indices(), want.col_indices()),
+                 (got.values(), want.values())]  # fmt: skip
+    for a, b in pairs:
+        assert_bit_exact(a, b)
+
+
+def test_sparse_coo_and_csr_tensors_round_trip_bit_exact(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "store")
+    sparse, dense = sparse_examples(), torch.ones(3)
+    repo.save({"embedding": sparse, "dense": dense}, "runs/thalia/ckpt")
+    loaded = repo.load("runs/thalia/ckpt")
+    for name, tensor in sparse.items():
+        assert_same_sparse(loaded["embedding"][name], tensor)
+    assert torch.equal(loaded["dense"], dense)
+    # A sparse tensor is one value: selecting it (or a part of it) loads it whole.
+    only = repo.load("runs/thalia/ckpt", keys=["embedding.csr", "embedding.coo.values"])
+    assert sorted(only["embedding"]) == ["coo", "csr"]
+    assert_same_sparse(only["embedding"]["coo"], sparse["coo"])
+    repo.cp("runs/thalia/ckpt", "runs/thalia/weights", only=["embedding.coo_hybrid"])
+    assert_same_sparse(
+        repo.load("runs/thalia/weights")["embedding"]["coo_hybrid"], sparse["coo_hybrid"]
+    )
+
+
+def test_a_sparse_layout_cas_does_not_store_is_a_clear_error(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "store")
+    csc = torch.eye(3).to_sparse_csc()
+    with pytest.raises(cas.FormatError, match=r"sparse_csc.*COO.*CSR"):
+        repo.save({"w": csc}, "runs/x/ckpt")
+
+
+def test_sparse_parts_that_do_not_form_a_tensor_are_a_format_error() -> None:
+    from cas.model.state import build_sparse
+
+    # What a damaged or hostile manifest could name: an index past the size, checked on load.
+    with pytest.raises(cas.FormatError, match="no sparse coo tensor"):
+        build_sparse("coo", [torch.tensor([[5]]), torch.tensor([1.0])], (2,))
+    with pytest.raises(cas.FormatError, match="no sparse csr tensor"):
+        build_sparse("csr", [torch.tensor([0, 3]), torch.tensor([0]), torch.tensor([1.0])], (1, 2))

@@ -66,7 +66,7 @@ def _value_leaves(node: Any, path: str) -> Iterable[tuple[str, Any]]:
         items = node["items"] if node["~"] == "dict" else list(enumerate(node["items"]))
         for key, value in items:
             yield from _value_leaves(value, f"{path}.{key}" if path else str(key))
-    elif not (isinstance(node, dict) and node.get("~") == "tensor"):
+    elif not (isinstance(node, dict) and node.get("~") in ("tensor", "sparse")):
         yield path, node
 
 

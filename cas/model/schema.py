@@ -28,7 +28,12 @@ MAX_INT_DIGITS = 4300
 MAX_NAME_LENGTH = 4096
 """Characters of a dtype, device, tag, file format or region name."""
 
-TREE_TAGS = ("dict", "list", "tuple", "tensor", "int", "dtype", "device")
+SPARSE_PARTS: dict[str, tuple[str, ...]] = {
+    "coo": ("indices", "values"),
+    "csr": ("crow_indices", "col_indices", "values"),
+}
+"""Each sparse layout cas stores, with its component tensors in order (torch's accessor names)."""
+TREE_TAGS = ("dict", "list", "tuple", "tensor", "sparse", "int", "dtype", "device")
 SCALARS = (type(None), bool, int, float, str, bytes)
 
 _INT_TEXT = re.compile(rf"-?[0-9]{{1,{MAX_INT_DIGITS}}}\Z")
@@ -106,6 +111,9 @@ def check_tree(tree: Any, tensor_count: int, itemsizes: dict[str, int]) -> None:
             else:
                 stack.extend((value, depth + 1) for value in items)
             continue
+        if tag == "sparse":
+            _check_sparse(node, tensor_count)
+            continue
         value = node.get("i" if tag == "tensor" else "v")
         if tag == "tensor":
             expect(is_int(value) and 0 <= value < tensor_count, "tensor index out of range")
@@ -117,6 +125,26 @@ def check_tree(tree: Any, tensor_count: int, itemsizes: dict[str, int]) -> None:
             )
         else:
             expect(isinstance(value, str) and _DEVICE.match(value) is not None, "bad device")
+
+
+def _check_sparse(node: dict[Any, Any], tensor_count: int) -> None:
+    """A sparse node: a known layout, a bounded size, and its components by name, in order."""
+    layout: Any = node.get("layout")
+    names = SPARSE_PARTS.get(layout) if isinstance(layout, str) else None
+    if names is None:
+        raise FormatError(f"corrupt manifest: unknown sparse layout {str(layout)[:64]!r}")
+    size: Any = node.get("size")
+    expect(isinstance(size, list) and len(size) <= MAX_DIMS, "bad sparse size")
+    expect(all(is_int(n) and 0 <= n < MAX_ELEMENT_BYTES for n in size), "bad sparse size")
+    expect(isinstance(node.get("coalesced", False), bool), "bad sparse coalesced flag")
+    parts: Any = node.get("parts")
+    expect(isinstance(parts, list) and len(parts) == len(names), "bad sparse parts")
+    for name, part in zip(names, parts, strict=True):
+        expect(isinstance(part, list) and len(part) == 2 and part[0] == name, "bad sparse part")
+        tensor = part[1]
+        expect(isinstance(tensor, dict) and tensor.get("~") == "tensor", "sparse part no tensor")
+        index = tensor.get("i")
+        expect(is_int(index) and 0 <= index < tensor_count, "tensor index out of range")
 
 
 def check_stored_meta(meta: Any) -> None:

@@ -5,7 +5,9 @@ numpy arrays and scalars, ints, floats, strings, bytes, bools, None, ``torch.dty
 ``torch.device``. Containers become tagged msgpack maps (``{"~": "dict", "items": [[k, v], ...]}``),
 plain values stay plain, and each tensor becomes ``{"~": "tensor", "i": n}``, an index into the
 manifest's tensor table. The same tensor object reached twice is stored once and comes back as
-one object (tied weights stay tied).
+one object (tied weights stay tied). A sparse tensor (COO or CSR) becomes a ``sparse`` node naming
+its component tensors (indices and values, or row pointers, columns and values) and its size, so
+it comes back bit-exact without being densified.
 """
 
 from __future__ import annotations
@@ -17,12 +19,65 @@ from typing import TYPE_CHECKING, Any
 
 from cas.errors import FormatError
 from cas.model.manifest import ITEMSIZE
+from cas.model.schema import SPARSE_PARTS
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def sparse_layout(tensor: torch.Tensor) -> str | None:
+    """``"coo"`` or ``"csr"`` for a sparse tensor cas stores, None for a dense one; other
+    layouts (CSC, BSR, BSC) are a FormatError."""
+    import torch
+
+    if tensor.layout == torch.strided:
+        return None
+    if tensor.layout == torch.sparse_coo:
+        return "coo"
+    if tensor.layout == torch.sparse_csr:
+        return "csr"
+    raise FormatError(
+        f"cannot store a {tensor.layout} tensor: cas stores dense, sparse COO and sparse CSR "
+        "tensors (convert it with .to_sparse_csr() or .to_dense())"
+    )
+
+
+def sparse_parts(tensor: torch.Tensor, layout: str) -> list[torch.Tensor]:
+    """The component tensors of a sparse tensor, in ``SPARSE_PARTS`` order, as stored: a COO
+    tensor's raw indices and values, coalesced or not."""
+    t = tensor.detach()
+    if layout == "coo":
+        return [t._indices(), t._values()]
+    return [t.crow_indices(), t.col_indices(), t.values()]
+
+
+def build_sparse(
+    layout: str,
+    parts: list[Any],
+    size: tuple[int, ...],
+    coalesced: bool = False,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """A sparse tensor from its components; components that do not form one (a damaged or
+    hostile manifest) are a FormatError, checked before anything uses the indices (``check``;
+    off only for copies of a tensor torch built itself)."""
+    import torch
+
+    try:
+        if layout == "coo":
+            return torch.sparse_coo_tensor(
+                parts[0], parts[1], size, is_coalesced=coalesced, check_invariants=check
+            )
+        return torch.sparse_csr_tensor(parts[0], parts[1], parts[2], size, check_invariants=check)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise FormatError(
+            f"corrupt manifest: no sparse {layout} tensor of size {list(size)}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -97,6 +152,7 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
 
     sources: list[TensorSource] = []
     seen: dict[int, int] = {}
+    seen_sparse: dict[int, dict[str, Any]] = {}
     keep_alive: list[Any] = []
 
     def add(obj: Any, source: Callable[[], TensorSource]) -> dict[str, Any]:
@@ -113,6 +169,21 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
             return obj
         if isinstance(obj, int):
             return obj if _INT_MIN <= obj <= _INT_MAX else {"~": "int", "v": str(obj)}
+        if isinstance(obj, torch.Tensor) and (layout := sparse_layout(obj)) is not None:
+            if id(obj) not in seen_sparse:
+                parts = sparse_parts(obj, layout)
+                keep_alive.append(obj)
+                seen_sparse[id(obj)] = {
+                    "~": "sparse",
+                    "layout": layout,
+                    "size": list(obj.shape),
+                    "coalesced": layout == "coo" and obj.is_coalesced(),
+                    "parts": [
+                        [name, walk(part, f"{path}.{name}" if path else name)]
+                        for name, part in zip(SPARSE_PARTS[layout], parts, strict=True)
+                    ],
+                }
+            return seen_sparse[id(obj)]
         if isinstance(obj, torch.Tensor):
             return add(
                 obj,
@@ -171,12 +242,40 @@ def iter_tensor_paths(tree: Any, path: str = "") -> Iterator[tuple[str, int]]:
         tag = tree.get("~")
         if tag == "tensor":
             yield path, int(tree["i"])
+        elif tag == "sparse":
+            for name, part in tree["parts"]:
+                yield from iter_tensor_paths(part, f"{path}.{name}" if path else str(name))
         elif tag == "dict":
             for key, value in tree["items"]:
                 yield from iter_tensor_paths(value, f"{path}.{key}" if path else str(key))
         elif tag in ("list", "tuple"):
             for i, value in enumerate(tree["items"]):
                 yield from iter_tensor_paths(value, f"{path}.{i}" if path else str(i))
+
+
+def selected_tensors(tree: Any, select: Callable[[str], bool] | None) -> list[int]:
+    """Tensor indices a load with ``select`` reads, in tree order, each once: a sparse tensor's
+    components all, if any of them (or the sparse tensor's own path) is selected."""
+    out: dict[int, None] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        tag = node.get("~")
+        if tag == "tensor":
+            if select is None or select(path):
+                out.setdefault(int(node["i"]))
+        elif tag == "sparse":
+            if select is None or sparse_selected(node, path, select):
+                for _, part in node["parts"]:
+                    out.setdefault(int(part["i"]))
+        elif tag in ("dict", "list", "tuple"):
+            pairs = node["items"] if tag == "dict" else enumerate(node["items"])
+            for key, value in pairs:
+                walk(value, f"{path}.{key}" if path else str(key))
+
+    walk(tree, "")
+    return list(out)
 
 
 def decode_state(
@@ -199,6 +298,12 @@ def decode_state(
             if select is not None and not select(path):
                 return missing
             return tensor(int(node["i"]))
+        if tag == "sparse":
+            if select is not None and not sparse_selected(node, path, select):
+                return missing
+            parts = [tensor(int(part["i"])) for _, part in node["parts"]]
+            size = tuple(int(n) for n in node["size"])
+            return build_sparse(str(node["layout"]), parts, size, bool(node.get("coalesced")))
         if tag == "dict":
             out: dict[Any, Any] = {}
             for key, value in node["items"]:
@@ -234,6 +339,13 @@ def decode_state(
 
     result = walk(tree, "")
     return {} if result is missing else result
+
+
+def sparse_selected(node: Any, path: str, select: Callable[[str], bool]) -> bool:
+    """A sparse tensor is one value: selected whole if its path or any component's path is."""
+    return select(path) or any(
+        select(f"{path}.{name}" if path else str(name)) for name, _ in node["parts"]
+    )
 
 
 def _big_int(text: Any, path: str) -> int:

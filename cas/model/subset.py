@@ -10,7 +10,7 @@ from typing import Any
 from cas.digest import Digest
 from cas.errors import NotFound
 from cas.model.manifest import Manifest, TensorEntry
-from cas.model.state import iter_tensor_paths
+from cas.model.state import selected_tensors, sparse_selected
 
 
 def subset_manifest(
@@ -47,10 +47,9 @@ def subset_manifest(
 
     kept: list[TensorEntry] = []
     remap_state: dict[int, int] = {}
-    for path, index in iter_tensor_paths(manifest.tree):
-        if select(path) and index not in remap_state:
-            remap_state[index] = len(kept)
-            kept.append(manifest.tensors[index])
+    for index in selected_tensors(manifest.tree, select):
+        remap_state[index] = len(kept)
+        kept.append(manifest.tensors[index])
     tree = _rebuild_tree(manifest.tree, select, remap_state)
     if tree is None:
         raise NotFound(f"no entry matches {list(patterns)}")
@@ -68,6 +67,12 @@ def _rebuild_tree(tree: Any, select: Any, remap: dict[int, int]) -> Any:
             tag = node.get("~")
             if tag == "tensor":
                 return {"~": "tensor", "i": remap[int(node["i"])]} if select(path) else missing
+            if tag == "sparse":
+                if not sparse_selected(node, path, select):
+                    return missing
+                parts = [[name, {"~": "tensor", "i": remap[int(part["i"])]}]
+                         for name, part in node["parts"]]  # fmt: skip
+                return {**node, "parts": parts}
             if tag == "dict":
                 items = []
                 for key, value in node["items"]:

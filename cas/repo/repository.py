@@ -24,6 +24,7 @@ from cas.model.state import (
     decode_state,
     iter_tensor_paths,
     placed,
+    selected_tensors,
     tensor_from_bytes,
     writable_view,
 )
@@ -138,7 +139,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         if manifest.kind == "files":
             out: Any = self._load_files(manifest, select, map_location, progress)
         else:
-            wanted = {i for p, i in iter_tensor_paths(manifest.tree) if select is None or select(p)}
+            wanted = selected_tensors(manifest.tree, select)
             tensors = self._materialize(manifest, sorted(wanted), map_location, mmap, progress)
             out = decode_state(manifest.tree, tensors.__getitem__, select)
         if patterns and not matched:

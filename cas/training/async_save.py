@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from cas.errors import CASError
+from cas.model.state import build_sparse, sparse_layout, sparse_parts
 from cas.repo.background import staging_offset
 
 if TYPE_CHECKING:
@@ -106,11 +107,19 @@ class Stager:
             staging.nbytes += buffer.numel() * buffer.element_size()
             return buffer
 
+        def copy_any(tensor: torch.Tensor) -> torch.Tensor:
+            layout = sparse_layout(tensor)  # other layouts: FormatError, not torch's RuntimeError
+            if layout is None:
+                return copy_tensor(tensor)
+            parts = [copy_tensor(part) for part in sparse_parts(tensor, layout)]
+            coalesced = layout == "coo" and tensor.is_coalesced()
+            return build_sparse(layout, parts, tuple(tensor.shape), coalesced, check=False)
+
         def walk(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 key = id(obj)
                 if key not in seen:
-                    seen[key] = copy_tensor(obj)
+                    seen[key] = copy_any(obj)
                 return seen[key]
             if isinstance(obj, np.ndarray):
                 key = id(obj)

@@ -27,6 +27,10 @@ class ConfigMismatch(CASError):
     """``resume`` found a checkpoint written under a different config hash."""
 
 
+class SystemMismatch(ConfigMismatch):
+    """``resume`` found a checkpoint written for other input data (its ``system_hash``)."""
+
+
 class StrictLoadError(CASError):
     """A strict load found missing, unexpected or reshaped keys."""
 
@@ -50,6 +54,34 @@ def check_config(ref: str, meta: Mapping[str, Any], current_hash: str | None, co
         f"cannot resume from {ref}: it was saved with config {saved[:12]}, this run's config "
         f"is {current_hash[:12]}{detail}. Restore the original config, or start from "
         "these weights with mode='warm_start'"
+    )
+
+
+def resume_meta(config_hash: str | None, config: Any, system_hash: str | None) -> dict[str, Any]:
+    """What a checkpoint records so that a resume can check it: the config hash (and the config
+    itself when it is plain data) and the system (input data) hash, each when the run has one."""
+    meta: dict[str, Any] = {}
+    if config_hash is not None:
+        meta["config_hash"] = config_hash
+        plain = plain_config(config)
+        if plain is not None:
+            meta["config"] = plain
+    if system_hash is not None:
+        meta["system_hash"] = system_hash
+    return meta
+
+
+def check_system(ref: str, meta: Mapping[str, Any], current: str | None) -> None:
+    """Raise SystemMismatch when ``ref`` was saved for a system (input data) hash other than
+    ``current``; like the config, nothing is checked when either side has none."""
+    saved = meta.get("system_hash")
+    if current is None or saved is None or saved == current:
+        return
+    raise SystemMismatch(
+        f"cannot resume from {ref}: it was saved for system (input data) {str(saved)[:16]}, this "
+        f"run's is {current[:16]}. Restore the original inputs, pass "
+        "restore(..., allow_system_change=True) to resume on the new ones, or start from these "
+        "weights with mode='warm_start'"
     )
 
 

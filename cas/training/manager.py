@@ -39,29 +39,30 @@ from cas.training.async_save import AsyncWriter, Stager, ThreadLender
 from cas.training.compat import (
     ConfigMismatch,
     StrictLoadError,
+    SystemMismatch,
     check_config,
     check_keys,
+    check_system,
     config_hash,
-    plain_config,
+    resume_meta,
 )
 from cas.training.history import HistoryRecord, TrainingHistory, plain_record
 from cas.training.restore import (
     Found,
     Restored,
     Skipped,
-    load_checkpoint,
     load_first_good,
     resume_candidates,
     unwrap,
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
-from cas.training.saves import PendingSave, PreparedSave, SaveResult, better, user_metadata
+from cas.training.runrefs import RunRefs
+from cas.training.saves import PendingSave, PreparedSave, SaveResult, beats_best, user_metadata
 from cas.training.signals import SignalTriggers
 
 if TYPE_CHECKING:
     import torch
 
-    from cas.training.pool import OpponentPool
 
 __all__ = [
     "CheckpointManager",
@@ -72,6 +73,7 @@ __all__ = [
     "SaveResult",
     "Skipped",
     "StrictLoadError",
+    "SystemMismatch",
     "config_hash",
     "new_run_id",
 ]
@@ -82,7 +84,7 @@ CHECKPOINT_SCHEMA = 1
 MODES = ("fresh", "warm_start", "resume", "auto")
 
 
-class CheckpointManager:
+class CheckpointManager(RunRefs):
     """Saves and restores one training run; see the module docstring for the layout."""
 
     def __init__(
@@ -96,6 +98,7 @@ class CheckpointManager:
         best: tuple[str, str] | None = None,
         policy: Any = None,
         config: Any = None,
+        system_hash: str | None = None,
         layout: Layout = DEFAULT_LAYOUT,
         async_save: bool = True,
         max_in_flight: int = 1,
@@ -117,6 +120,7 @@ class CheckpointManager:
         self.policy = policy
         self.config = config
         self.config_hash = config_hash(config) if config is not None else None
+        self.system_hash = system_hash
         self.layout = layout
         self.exit_on_stop = exit_on_stop
         self.capture_rng = capture_rng
@@ -152,27 +156,9 @@ class CheckpointManager:
         self._closed = False
 
     @property
-    def latest_ref(self) -> str:
-        """The ref naming the newest checkpoint of the run."""
-        return self.layout.latest.format(run=self.run)
-
-    @property
-    def best_ref(self) -> str:
-        """The ref naming the best checkpoint of the current phase."""
-        return self.layout.best.format(run=self.run, phase=self.phase)
-
-    def checkpoint_ref(self, step: int, phase: int | None = None) -> str:
-        """The ref a save of ``step`` goes to."""
-        return self.layout.checkpoint.format(run=self.run, phase=phase or self.phase, step=step)
-
-    @property
     def stop_requested(self) -> bool:
         """SIGTERM or SIGINT arrived: the next ``step_end`` saves and stops."""
         return self.triggers.stop_requested
-
-    def _read_target(self, ref: str) -> Digest | None:
-        record = self.repo.find_ref(ref)
-        return record.target if record else None
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a periodic save point."""
@@ -245,30 +231,53 @@ class CheckpointManager:
         plain_metrics = plain_record(previous.step, metrics or manifest.meta.get("metrics", {}))
         plain_metrics.pop("step")
         meta = {
-            **manifest.meta, **user, "trigger": "final", "status": "completed",
-            "saved_at": self.clock(), "metrics": plain_metrics,
-        }  # fmt: skip
+            **manifest.meta,
+            **user,
+            "trigger": "final",
+            "status": "completed",
+            "saved_at": self.clock(),
+            "metrics": plain_metrics,
+        }
         with self._records_lock:
             records, self._pending_records = self._pending_records, []
         records.append(
-            {"step": previous.step, "event": "save", "ref": previous.ref, "trigger": "final",
-             "status": "completed", "metrics": plain_metrics, "same_state_as": previous.digest}
-        )  # fmt: skip
+            {
+                "step": previous.step,
+                "event": "save",
+                "ref": previous.ref,
+                "trigger": "final",
+                "status": "completed",
+                "metrics": plain_metrics,
+                "same_state_as": previous.digest,
+            }
+        )
         prepared = PreparedSave(
-            {}, meta, previous.ref, previous.step, previous.phase, "final", "completed", records,
+            {},
+            meta,
+            previous.ref,
+            previous.step,
+            previous.phase,
+            "final",
+            "completed",
+            records,
             None,
-        )  # fmt: skip
+        )
         best_ref = self.layout.best.format(run=self.run, phase=previous.phase)
         with self._write_repo.lease("checkpoint"):
             digest = self._write_repo.commit(
-                replace(manifest, meta=meta, created_at=self.clock()), previous.ref,
-                expected=previous.digest, op="save", message="final",
-            )  # fmt: skip
+                replace(manifest, meta=meta, created_at=self.clock()),
+                previous.ref,
+                expected=previous.digest,
+                op="save",
+                message="final",
+            )
             self._write_history.append(records)
             best = self._write_repo.update_ref(  # best follows its checkpoint to the new manifest
-                best_ref, lambda c: digest if c and c.target == previous.digest else RefChange.KEEP,
-                op="best", message=previous.ref,
-            )  # fmt: skip
+                best_ref,
+                lambda c: digest if c and c.target == previous.digest else RefChange.KEEP,
+                op="best",
+                message=previous.ref,
+            )
             result = self._publish(prepared, digest, start, manifest.logical_bytes(), 0)
         moved = best is not None and best.target == digest
         return replace(result, is_best=result.is_best or moved)
@@ -307,13 +316,17 @@ class CheckpointManager:
             with self._records_lock:
                 records, self._pending_records = self._pending_records, []
             records.append(
-                {"step": step, "event": "save", "ref": ref, "trigger": trigger,
-                 "status": status, "metrics": plain_metrics}
-            )  # fmt: skip
+                {
+                    "step": step,
+                    "event": "save",
+                    "ref": ref,
+                    "trigger": trigger,
+                    "status": status,
+                    "metrics": plain_metrics,
+                }
+            )
             meta = {**user, **self._meta(step, phase, trigger, status, plain_metrics)}
-            prepared = PreparedSave(
-                tree, meta, ref, step, phase, trigger, status, records, staging
-            )  # fmt: skip
+            prepared = PreparedSave(tree, meta, ref, step, phase, trigger, status, records, staging)
             prepared.blocking = time.perf_counter() - start
             return prepared
 
@@ -340,15 +353,17 @@ class CheckpointManager:
         self, step: int, phase: int, trigger: str, status: str, metrics: dict[str, Any]
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "cas_checkpoint": CHECKPOINT_SCHEMA, "run": self.run_id, "phase": phase,
-            "step": step, "trigger": trigger, "status": status, "metrics": metrics,
-            "seed": self.seed, "saved_at": self.clock(),
-        }  # fmt: skip
-        if self.config_hash is not None:
-            meta["config_hash"] = self.config_hash
-            plain = plain_config(self.config)
-            if plain is not None:
-                meta["config"] = plain
+            "cas_checkpoint": CHECKPOINT_SCHEMA,
+            "run": self.run_id,
+            "phase": phase,
+            "step": step,
+            "trigger": trigger,
+            "status": status,
+            "metrics": metrics,
+            "seed": self.seed,
+            "saved_at": self.clock(),
+        }
+        meta.update(resume_meta(self.config_hash, self.config, self.system_hash))
         return meta
 
     def _write(self, prepared: PreparedSave) -> SaveResult:
@@ -389,10 +404,19 @@ class CheckpointManager:
                 retention_error = f"{type(e).__name__}: {e}"
                 log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
         result = SaveResult(
-            prepared.step, prepared.phase, prepared.ref, digest, prepared.trigger,
-            prepared.status, is_best, prepared.blocking, time.perf_counter() - start,
-            logical, new, retention_error,
-        )  # fmt: skip
+            prepared.step,
+            prepared.phase,
+            prepared.ref,
+            digest,
+            prepared.trigger,
+            prepared.status,
+            is_best,
+            prepared.blocking,
+            time.perf_counter() - start,
+            logical,
+            new,
+            retention_error,
+        )
         self._last_result = result
         return result
 
@@ -415,7 +439,7 @@ class CheckpointManager:
         def better_of(current: RefRecord | None) -> Digest | RefChange:
             if current is not None:
                 current_value = self._best_value(current.target, key)
-                if current_value is not None and not better(float(value), current_value, mode):
+                if current_value is not None and not beats_best(float(value), current_value, mode):
                     return RefChange.KEEP  # the best so far (perhaps another writer's) stands
             return digest
 
@@ -466,65 +490,6 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def latest(self) -> str | None:
-        """The checkpoint ref ``latest`` names (None before the first save)."""
-        self.wait()
-        return self._ref_of(self.latest_ref)
-
-    def best_checkpoint(self) -> str | None:
-        """The checkpoint ref ``best`` names in the current phase (None if there is none)."""
-        self.wait()
-        return self._ref_of(self.best_ref)
-
-    def _ref_of(self, pointer: str) -> str | None:
-        record = self.repo.find_ref(pointer)
-        if record is None:
-            return None
-        return record.history[-1].message or pointer
-
-    def gate_ref(self, name: str) -> str:
-        """The ref of this run's gate ``name`` (``runs/<id>/gates/<name>`` by default)."""
-        return self.layout.gate.format(name=name, run=self.run, phase=self.phase)
-
-    def promote_gate(
-        self, name: str, source: str | None = None, *, overwrite: bool = False
-    ) -> Digest:
-        """Copy ``source`` (default: this phase's best, else latest) to the gate ``name``.
-
-        A gate is a ref of its own (no chunk is written), so pruning checkpoints never removes
-        it when the policy protects it (``runs/*/gates/*``). A gate that already names another
-        checkpoint is replaced only with ``overwrite=True``; otherwise AlreadyExists.
-        """
-        self.wait()
-        if source is None:
-            source = self.best_ref if self._read_target(self.best_ref) else self.latest_ref
-        return self.repo.cp(
-            source, self.gate_ref(name), message=f"gate {name} from {source}", overwrite=overwrite
-        )
-
-    def load_gate(
-        self,
-        name: str,
-        *,
-        keys: str | list[str] | None = None,
-        template: Any = None,
-        map_location: str | torch.device | None = None,
-    ) -> Any:
-        """Load a gate strictly: no fallback, and any key mismatch with ``template`` is an error."""
-        gate = self.gate_ref(name)
-        tree, meta = load_checkpoint(self.repo, gate, keys, map_location, with_rng=False)
-        state = unwrap(tree, meta)
-        if template is not None:
-            check_keys(state, template, gate)
-        return state
-
-    def pool(self, capacity: int = 20) -> OpponentPool:
-        """The opponent pool of this run's current phase."""
-        from cas.training.pool import OpponentPool
-
-        prefix = self.layout.pool.format(run=self.run, phase=self.phase)
-        return OpponentPool(self.repo, prefix, capacity=capacity, clock=self.clock)
-
     def restore(
         self,
         mode: str = "resume",
@@ -533,6 +498,7 @@ class CheckpointManager:
         keys: str | list[str] | None = None,
         template: Any = None,
         map_location: str | torch.device | None = None,
+        allow_system_change: bool = False,
     ) -> Restored:
         """Start the run: ``fresh``, ``warm_start``, ``resume`` or ``auto`` (resume if possible).
 
@@ -542,7 +508,8 @@ class CheckpointManager:
           check; use it at a phase transition, with ``template`` for a strict key check.
         - ``resume``: the exact state, RNGs restored; the config hash must match. Without a
           ``source``, a latest checkpoint that fails verification is skipped for the one before
-          it, with a warning and an entry in ``Restored.fallbacks``.
+          it, with a warning and an entry in ``Restored.fallbacks``. The ``system_hash`` must
+          match too, unless ``allow_system_change``.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -560,15 +527,22 @@ class CheckpointManager:
             raise NotFound(f"run {self.run} has no checkpoint to {mode.replace('_', ' ')} from")
         else:
             candidates = resume_candidates(self.repo, self.latest_ref)
-        check = self._check_config if mode == "resume" else None
-        found = load_first_good(
-            self.repo, candidates, keys=keys, map_location=map_location,
-            with_rng=mode == "resume", check=check, fallback=source is None,
-        )  # fmt: skip
-        return self._restored(mode, found, template)
 
-    def _check_config(self, ref: str, meta: Mapping[str, Any]) -> None:
-        check_config(ref, meta, self.config_hash, self.config)
+        def check(ref: str, meta: Mapping[str, Any]) -> None:
+            check_config(ref, meta, self.config_hash, self.config)
+            if not allow_system_change:
+                check_system(ref, meta, self.system_hash)
+
+        found = load_first_good(
+            self.repo,
+            candidates,
+            keys=keys,
+            map_location=map_location,
+            with_rng=mode == "resume",
+            check=check if mode == "resume" else None,
+            fallback=source is None,
+        )
+        return self._restored(mode, found, template)
 
     def _restored(self, mode: str, found: Found, template: Any) -> Restored:
         state = unwrap(found.tree, found.meta)
@@ -586,10 +560,22 @@ class CheckpointManager:
             rng_mod.seed_all(rng_mod.phase_seed(self.seed, self.phase))
         with self._records_lock:
             self._pending_records.append(
-                {"step": step, "event": mode, "ref": found.ref,
-                 "skipped": [s.ref for s in found.skipped]}
-            )  # fmt: skip
+                {
+                    "step": step,
+                    "event": mode,
+                    "ref": found.ref,
+                    "skipped": [s.ref for s in found.skipped],
+                }
+            )
         return Restored(
-            mode, state, step, int(found.meta.get("phase", self.phase)), found.ref, found.digest,
-            dict(found.meta.get("metrics", {})), found.meta, found.skipped, warnings,
-        )  # fmt: skip
+            mode,
+            state,
+            step,
+            int(found.meta.get("phase", self.phase)),
+            found.ref,
+            found.digest,
+            dict(found.meta.get("metrics", {})),
+            found.meta,
+            found.skipped,
+            warnings,
+        )

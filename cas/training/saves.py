@@ -68,7 +68,7 @@ class PreparedSave:
 
 RESERVED_META = frozenset(
     {"cas_checkpoint", "run", "phase", "step", "trigger", "status", "metrics", "seed",
-     "saved_at", "config_hash", "config"}
+     "saved_at", "config_hash", "config", "system_hash"}
 )  # fmt: skip
 """The manifest meta keys the manager writes itself; ``metadata=`` may not use them."""
 
@@ -87,8 +87,9 @@ def user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return plain
 
 
-def better(value: float, current: float, mode: str) -> bool:
-    """Whether a metric ``value`` beats the ``current`` best (NaN: no best yet) under ``mode``."""
+def beats_best(value: float, current: float, mode: str) -> bool:
+    """Whether a metric ``value`` replaces the ``current`` best under ``"min"`` or ``"max"``
+    (anything beats a NaN best)."""
     if math.isnan(current):
         return True
     return value < current if mode == "min" else value > current

@@ -9,13 +9,25 @@ stored as opaque bytes (``allow_opaque_pickles=True``) and never unpickled by ca
 
 With ``async_ingest=True`` the ingest runs on a background thread; the callback waits for it
 before the Trainer's next save (which may rotate old directories away) and at the end of training.
-``restore_checkpoint`` writes a stored checkpoint back as a directory for
-``trainer.train(resume_from_checkpoint=...)``.
+
+With ``keep_local=False`` the store replaces the local directories: each ``checkpoint-N/`` is
+deleted once it is stored (on the training thread, before the Trainer's next save, so never
+while the Trainer lists or rotates them). The one directory the Trainer still reads is kept
+until it has: with ``load_best_model_at_end`` the best checkpoint stays until training ends
+(the Trainer loads it just before ``on_train_end``), or until a better one replaces it.
+
+Resuming from a ref is one line:
+``trainer.train(resume_from_checkpoint=resume_dir(repo, "runs/exp/latest", args.output_dir))``.
+The Trainer reads a checkpoint only from a local directory (``os.path.isfile`` on each file, not
+fsspec), so ``resume_dir`` writes the stored checkpoint back as ``<output_dir>/checkpoint-N/``;
+with ``keep_local=False`` that directory is deleted again once the Trainer has read it (after the
+first step: RNG states are read then).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,12 +46,23 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Ingests each ``checkpoint-N/`` into ``repo`` under ``prefix`` (default ``runs/<output_dir name>``)."""
 
     def __init__(
-        self, repo: Repository, prefix: str | None = None, *, async_ingest: bool = False
+        self,
+        repo: Repository,
+        prefix: str | None = None,
+        *,
+        async_ingest: bool = False,
+        keep_local: bool = True,
     ) -> None:
         self.repo = repo
         self.prefix = prefix
+        self.keep_local = keep_local
         self.stored: list[tuple[int, str, Digest]] = []
         self._writer: AsyncWriter[Digest] | None = AsyncWriter(1) if async_ingest else None
+        self._stored_dirs: list[str] = []
+        """Directories stored since the last clean-up (appended by the ingest, maybe on the
+        writer thread; emptied on the training thread)."""
+        self._kept_best: str | None = None
+        self._resumed_from: str | None = None
 
     def _prefix(self, args: TrainingArguments) -> str:
         return self.prefix or f"runs/{Path(str(args.output_dir)).name}"
@@ -65,12 +88,28 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             digest = self.repo.put_path(directory, ref, meta, allow_opaque_pickles=True)
             self.repo.set_ref(f"{prefix}/latest", digest, op="save", message=ref)
             self.stored.append((step, ref, digest))
+            self._stored_dirs.append(directory)
             return digest
 
         if self._writer is None:
             ingest(None)
+            self._remove_stored(args, state)
         else:
             self._writer.submit(lambda: None, ingest)
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Note the directory a resumed run reads its start from, to delete it once read."""
+        directory = os.path.join(
+            str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        )
+        if not self.keep_local and state.global_step > 0 and os.path.isdir(directory):
+            self._resumed_from = directory
 
     def on_step_end(
         self,
@@ -80,8 +119,12 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         **kwargs: Any,
     ) -> None:
         """Before a save (which may delete old directories), finish the previous ingest."""
+        if self._resumed_from is not None and state.is_world_process_zero:
+            shutil.rmtree(self._resumed_from, ignore_errors=True)
+            self._resumed_from = None
         if control.should_save:
             self.wait()
+            self._remove_stored(args, state)
 
     def on_epoch_end(
         self,
@@ -93,6 +136,7 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         """Finish the previous ingest: ``save_strategy="epoch"`` decides to save here, and
         ``"best"`` right after evaluating (``on_evaluate``), with no callback in between."""
         self.wait()
+        self._remove_stored(args, state)
 
     on_evaluate = on_epoch_end
 
@@ -103,8 +147,27 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Finish every ingest in flight."""
+        """Finish every ingest in flight; without local copies, delete the best one too (the
+        Trainer has loaded it by now)."""
         self.wait()
+        self._remove_stored(args, state, ending=True)
+
+    def _remove_stored(
+        self, args: TrainingArguments, state: TrainerState, *, ending: bool = False
+    ) -> None:
+        """With ``keep_local=False``, delete the stored directories the Trainer no longer needs."""
+        if self.keep_local or not state.is_world_process_zero:
+            return
+        best = state.best_model_checkpoint if args.load_best_model_at_end and not ending else None
+        done, self._stored_dirs = self._stored_dirs, []
+        if self._kept_best is not None:
+            done.append(self._kept_best)
+            self._kept_best = None
+        for directory in done:
+            if best is not None and os.path.abspath(directory) == os.path.abspath(best):
+                self._kept_best = directory
+            else:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def wait(self) -> None:
         """Wait for background ingests; raise a failure."""
@@ -118,3 +181,9 @@ def restore_checkpoint(repo: Repository, ref: str, output_dir: str | os.PathLike
     target = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
     repo.get_path(ref, target, overwrite=True)
     return target
+
+
+def resume_dir(repo: Repository, ref: str, output_dir: str | os.PathLike[str]) -> str:
+    """The checkpoint ``ref`` as a directory for ``trainer.train(resume_from_checkpoint=...)``:
+    written back as ``<output_dir>/checkpoint-N/`` (pass ``args.output_dir``)."""
+    return str(restore_checkpoint(repo, ref, output_dir))

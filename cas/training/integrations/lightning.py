@@ -8,17 +8,36 @@ deduplicated, nothing is pickled, and ``<prefix>/latest`` follows the newest sav
 (``trainer.fit(ckpt_path=...)``) and removal (``save_top_k`` pruning) map paths to refs the same
 way. A checkpoint value cas cannot store without pickle (an arbitrary object in
 ``hyper_parameters``) is a ``FormatError`` naming its path; keep hyperparameters plain.
+
+``fit(ckpt_path="last")`` and re-runs. Lightning finds "last" by listing the checkpoint
+callback's ``dirpath`` and then checking each candidate on the filesystem its path names. Neither
+route survives that: with this plugin nothing is on the filesystem, and with
+``ModelCheckpoint(dirpath="cas://...")`` fsspec lists paths without their protocol, which
+Lightning then looks for on the local disk (a Lightning bug for every remote
+filesystem, still in 2.6). Either way it warns
+"there is no last checkpoint available" and trains from step 0. Importing this module therefore
+wraps two Lightning methods, and the wrappers only act for a trainer whose checkpoints go to cas:
+"last" is the newest ``last*.ckpt`` (or on-exception checkpoint) in the store, and, with this
+plugin, ``ModelCheckpoint`` asks the store whether a file name is taken, so a re-run writes
+``last-v1.ckpt`` and ``epoch=0-step=4-v1.ckpt`` as it would on local disk instead of replacing
+the previous run's refs. Every other trainer runs Lightning's code unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
+from collections.abc import Callable
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities import rank_zero_warn
 
 from cas.errors import NotFound
 
@@ -41,6 +60,11 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         if not (name[0].isalnum() or name[0] == "_"):
             name = f"_{name}"
         return f"{self.prefix}/{name}"
+
+    def saved_at(self, path: str | os.PathLike[str]) -> float | None:
+        """When the checkpoint for ``path`` was last saved (seconds since the epoch), else None."""
+        record = self.repo.find_ref(self.ref_for(path))
+        return None if record is None else record.history[-1].time
 
     def save_checkpoint(
         self,
@@ -75,3 +99,103 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         """Delete the ref of ``path`` (its chunks go when GC finds them unreferenced)."""
         with contextlib.suppress(NotFound):
             self.repo.rm(self.ref_for(path))
+
+
+# -- Lightning's "last" and its file-exists check, answered from the store -------------------------
+
+
+def _last_pattern(callback: ModelCheckpoint) -> re.Pattern[str]:
+    """The file names Lightning counts as a callback's last checkpoint (``last.ckpt``, ``last-v1.ckpt``)."""
+    name, ext = re.escape(callback.CHECKPOINT_NAME_LAST or ""), re.escape(callback.FILE_EXTENSION)
+    return re.compile(rf"^{name}(-(\d+))?{ext}$")
+
+
+def _is_cas(fs: Any) -> bool:
+    """Whether an fsspec filesystem is ``cas://`` (by protocol: this layer does not import cas.fs)."""
+    protocol = getattr(fs, "protocol", ())
+    return "cas" in ((protocol,) if isinstance(protocol, str) else protocol)
+
+
+def _on_filesystem(path: str) -> float | None:
+    """Lightning's own check of a candidate: its modification time where its path says it is."""
+    fs = get_filesystem(path)
+    return fs.modified(path).timestamp() if fs.exists(path) else None
+
+
+def _last_candidates(trainer: Any) -> dict[str, float] | None:
+    """Every "last" checkpoint of ``trainer`` with when it was saved; None if none goes to cas."""
+    io = trainer.strategy.checkpoint_io
+    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    on_exception = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
+    found: dict[str, float] = {}
+    if isinstance(io, CASCheckpointIO):
+        names = [record.name.rpartition("/")[2] for record in io.repo.refs(f"{io.prefix}/")]
+        paths = [cb.ckpt_path for cb in on_exception]
+        for cb in callbacks:
+            pattern = _last_pattern(cb)
+            paths += [os.path.join(cb.dirpath or "", n) for n in names if pattern.match(n)]
+        for path in paths:
+            if (saved := io.saved_at(path)) is not None:
+                found[path] = saved
+        return found
+    in_cas = [cb for cb in callbacks if cb.dirpath and _is_cas(cb._fs)]
+    if not in_cas:
+        return None
+    for cb in callbacks:
+        if cb in in_cas:
+            cb._fs.invalidate_cache()  # another process (or trainer) may have saved since
+            if cb._fs.exists(cb.dirpath):
+                pattern = _last_pattern(cb)
+                for info in cb._fs.ls(cb.dirpath, detail=True):
+                    if pattern.match(info["name"].rpartition("/")[2]) and "created" in info:
+                        found[cb._fs.unstrip_protocol(info["name"])] = info["created"]
+        else:
+            for path in cb._find_last_checkpoints(trainer):
+                if (saved := _on_filesystem(path)) is not None:
+                    found[path] = saved
+    for exception_cb in on_exception:
+        if (saved := _on_filesystem(exception_cb.ckpt_path)) is not None:
+            found[exception_cb.ckpt_path] = saved
+    return found
+
+
+def _resolve_last_from_store(parse: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(parse)
+    def parse_ckpt_path(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any,
+                        *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        if ckpt_path != "last" or (found := _last_candidates(self.trainer)) is None:
+            return parse(self, state_fn, ckpt_path, *args, **kwargs)
+        if not found:
+            rank_zero_warn(
+                f'.{state_fn.value}(ckpt_path="last") is set, but there is no last checkpoint in '
+                "the store. No checkpoint will be loaded. HINT: Set `ModelCheckpoint(..., "
+                "save_last=True)`."
+            )
+            return None
+        return max(found, key=lambda path: found[path])
+
+    parse_ckpt_path.cas_wrapped = True  # type: ignore[attr-defined]
+    return parse_ckpt_path
+
+
+def _file_exists_in_store(exists: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(exists)
+    def file_exists(self: ModelCheckpoint, filepath: Any, trainer: Any) -> bool:
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, CASCheckpointIO):
+            return exists(self, filepath, trainer)
+        taken = trainer.is_global_zero and io.saved_at(filepath) is not None
+        return bool(trainer.strategy.reduce_boolean_decision(taken, all=False))
+
+    file_exists.cas_wrapped = True  # type: ignore[attr-defined]
+    return file_exists
+
+
+if not getattr(_CheckpointConnector._parse_ckpt_path, "cas_wrapped", False):
+    _CheckpointConnector._parse_ckpt_path = _resolve_last_from_store(  # type: ignore[method-assign]
+        _CheckpointConnector._parse_ckpt_path
+    )
+if not getattr(ModelCheckpoint.file_exists, "cas_wrapped", False):
+    ModelCheckpoint.file_exists = _file_exists_in_store(  # type: ignore[method-assign]
+        ModelCheckpoint.file_exists
+    )
