@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +82,16 @@ def local_root(repo: cas.Repository) -> Path:
     root = repo.blobs.local_root
     assert root is not None
     return root
+
+
+def run_cli(
+    store: Path, *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``cas --store STORE ARGS`` in a subprocess, as a user runs it; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "cas", "--store", str(store), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+    )

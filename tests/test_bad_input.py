@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,17 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import cas
-from tests.helpers import chunk_files, local_root
-
-
-def run_cli(store: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cas", "--store", str(store), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=120,
-    )
+from tests.helpers import chunk_files, local_root, run_cli
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], needle: str) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import cas
 from cas.errors import AlreadyExists
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
+from tests.helpers import run_cli
 
 
 def weights(value: float) -> dict[str, torch.Tensor]:
@@ -88,19 +87,11 @@ def test_cas_cp_onto_an_existing_gate_fails_in_one_line_unless_forced(tmp_path: 
     new = repo.save(weights(2.0), "runs/r1/ckpt_b")
     repo.cp("runs/r1/ckpt_a", "runs/r1/gates/bc_best")
 
-    def cas_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cas", "--store", str(store), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
-    refused = cas_cli("cp", "runs/r1/ckpt_b", "runs/r1/gates/bc_best")
+    refused = run_cli(store, "cp", "runs/r1/ckpt_b", "runs/r1/gates/bc_best")
     assert refused.returncode == 1, refused
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "is a gate" in lines[0] and "--force" in lines[0], lines
     assert cas.open(store).resolve("runs/r1/gates/bc_best") == old
-    forced = cas_cli("cp", "--force", "runs/r1/ckpt_b", "runs/r1/gates/bc_best")
+    forced = run_cli(store, "cp", "--force", "runs/r1/ckpt_b", "runs/r1/gates/bc_best")
     assert forced.returncode == 0, forced.stderr
     assert cas.open(store).resolve("runs/r1/gates/bc_best") == new

@@ -16,16 +16,7 @@ from safetensors.torch import save_file
 import cas
 from cas.errors import NotFound, NothingSelected
 from cas.training.manager import CheckpointManager
-
-
-def cas_cli(store: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cas", "--store", str(store), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=120,
-    )
+from tests.helpers import run_cli
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -49,8 +40,8 @@ def store(tmp_path: Path) -> Path:
 def test_verify_or_du_of_a_mistyped_ref_fails_instead_of_saying_ok(
     store: Path, command: str
 ) -> None:
-    assert_one_line_error(cas_cli(store, command, "runs/r2"), "no ref matches 'runs/r2'")
-    assert cas_cli(store, command, "runs/r1").returncode == 0
+    assert_one_line_error(run_cli(store, command, "runs/r2"), "no ref matches 'runs/r2'")
+    assert run_cli(store, command, "runs/r1").returncode == 0
 
 
 def test_load_with_keys_that_match_nothing_names_the_pattern(store: Path) -> None:
@@ -102,7 +93,7 @@ def test_get_into_a_new_directory_named_with_a_slash_writes_inside_it(
     single = tmp_path / "model.safetensors"
     save_file({"w": torch.ones(16)}, single)
     cas.open(store).put_path(single, "files/model")
-    done = cas_cli(store, "get", "files/model", "restored/", cwd=tmp_path)
+    done = run_cli(store, "get", "files/model", "restored/", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "restored" / "model.safetensors").read_bytes() == single.read_bytes()
     written = cas.open(store).get_path("runs/r1/ckpt_1", f"{tmp_path / 'exported'}/")
@@ -133,7 +124,7 @@ def test_a_refused_pt_names_the_class_and_the_cli_flag(store: Path, tmp_path: Pa
     path = tmp_path / "dated.pt"
     torch.save({"when": datetime.datetime(2026, 1, 15)}, path)
     line = assert_one_line_error(
-        cas_cli(store, "put", str(path), "x/dated"),
+        run_cli(store, "put", str(path), "x/dated"),
         "global datetime.datetime is not allowed",
         "--allow-opaque-pickles stores it",
     )
@@ -146,22 +137,22 @@ def test_gc_after_forget_says_what_waits_for_the_grace_period_and_until_when(
     repo = cas.open(store)
     repo.save({"big": torch.randn(3 << 18)}, "runs/r1/ckpt_2")  # 3 MiB
     repo.rm("runs/r1/ckpt_2")
-    done = cas_cli(store, "gc")
+    done = run_cli(store, "gc")
     assert done.returncode == 0, done.stderr
     assert "freed 0 B" in done.stdout
     assert "waiting: 3.0 MiB no ref needs" in done.stdout
     assert "collectable by" in done.stdout and "run `cas gc` then" in done.stdout
-    plan = json.loads(cas_cli(store, "gc", "--dry-run", "--json").stdout)["plan"]
+    plan = json.loads(run_cli(store, "gc", "--dry-run", "--json").stdout)["plan"]
     assert plan["waiting_bytes"] >= 3 << 20
     assert 3000 < plan["waiting_until"] - plan["now"] <= 3600
-    collected = cas_cli(store, "gc", "--grace", "0s", "--reflog-window", "0s")
+    collected = run_cli(store, "gc", "--grace", "0s", "--reflog-window", "0s")
     assert "waiting" not in collected.stdout
 
 
 def test_forget_dry_run_names_what_it_keeps(store: Path) -> None:
     repo = cas.open(store)
     repo.save({"model": {"w": torch.zeros(8)}}, "runs/r1/ckpt_2")
-    dry = cas_cli(store, "forget", "--select", "runs/r1/ckpt_*", "--keep-last", "1", "--dry-run")
+    dry = run_cli(store, "forget", "--select", "runs/r1/ckpt_*", "--keep-last", "1", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert any(
         line.startswith("keep") and "runs/r1/ckpt_2" in line for line in dry.stdout.splitlines()

@@ -4,8 +4,6 @@ same bytes heals every checkpoint naming it, and another store can heal it too."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from cas.repo.config import StoreConfig, read_config
 from cas.repo.opening import CACHED_PREFIXES, verify_cached_object
 from cas.repo.repository import Repository
 from cas.retention.gc import GCSettings
-from tests.helpers import assert_bit_exact, local_root, small_chunk_repo
+from tests.helpers import assert_bit_exact, local_root, run_cli, small_chunk_repo
 
 CHUNK = 4096
 
@@ -50,15 +48,6 @@ def rot(path: Path, offset: int = -1) -> None:
 
 def first_chunk(repo: cas.Repository, ref: str, tensor: int = 0) -> Digest:
     return repo.manifest(ref).tensors[tensor].chunks[0].digest
-
-
-def run_cli(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cas", "--store", str(store), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_a_rotted_chunk_is_quarantined_on_load_and_healed_by_the_next_save(
