@@ -7,7 +7,9 @@ column alike and the ratios stay comparable:
 - ``python -c "import torch"``: the yardstick;
 - ``cas --version`` and ``cas ls`` on a store of a few refs; target: each under 0.25x the first;
 - ``cas put`` of ten torch.save files of ~100 MB each, one process per file (as a shell loop or
-  a training script's hook would run it); each put scans the pickle without importing torch.
+  a training script's hook would run it); each put scans the pickle without importing torch;
+  beside it, ``borg create --compression zstd,3`` of the same files, one archive per file, when
+  borg is installed.
 
 ``--baseline DIR`` runs every command a second time with an older ``cas`` package first on the
 path (``git archive <rev> cas | tar -x -C DIR``), for before/after figures from one run.
@@ -21,11 +23,13 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,16 +120,38 @@ def measure_puts(
     out: dict[str, Any] = {"files": files, "bytes": sum(p.stat().st_size for p in paths)}
     sources = {"cas": None} if baseline is None else {"baseline": baseline, "cas": None}
     totals = {label: [0.0, 0.0] for label in sources}
-    for i, path in enumerate(paths):  # each file by each version in turn, into its own store
+    borg = borg_archiver(work / "borg-repo")
+    if borg is not None:
+        totals["borg"] = [0.0, 0.0]
+    for i, path in enumerate(paths):  # each file by each tool in turn, into its own store
         for label, source in sources.items():
             store = work / f"put-store-{label}"
             argv = [*cas_command(), "--store", str(store), "-q", "put", str(path), f"r/c{i:02d}"]
             wall, cpu = timed_run((argv, baseline_env(source)))
             totals[label][0] += wall
             totals[label][1] += cpu
+        if borg is not None:
+            wall, cpu = timed_run(borg(path, f"c{i:02d}"))
+            totals["borg"][0] += wall
+            totals["borg"][1] += cpu
     for label, (wall, cpu) in totals.items():
         out[label] = {"seconds": wall, "cpu_seconds": cpu, "seconds_per_put": wall / files}
     return out
+
+
+def borg_archiver(repo: Path) -> Callable[[Path, str], Command] | None:
+    """When borg is installed: a new unencrypted repository at ``repo`` and the command that
+    stores one file in it as an archive with zstd level 3 (one process per file, like ``cas
+    put``); None otherwise."""
+    if shutil.which("borg") is None:
+        return None
+    env = {**os.environ, "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes"}
+    subprocess.run(["borg", "init", "--encryption=none", str(repo)], check=True, env=env)
+
+    def create(path: Path, name: str) -> Command:
+        return (["borg", "create", "--compression", "zstd,3", f"{repo}::{name}", str(path)], env)
+
+    return create
 
 
 def run(
@@ -155,12 +181,13 @@ def run(
         print(f"  {name:<24}{wall * 1000:>9.0f}{ratios[0]}{cpu * 1000:>9.0f}{ratios[1]}")
     print(f"  target: cas commands under {TARGET_RATIO}x import torch")
     each = puts["bytes"] / puts["files"] / 1e6
-    for label in ("baseline", "cas"):
+    for label in ("baseline", "cas", "borg"):
         if label in puts:
             row = puts[label]
+            what = "borg create (zstd,3)" if label == "borg" else f"{label} put"
             print(
-                f"{puts['files']} x {label} put of {each:.0f} MB .pt files: {row['seconds']:.2f} s "
-                f"wall, {row['cpu_seconds']:.2f} s CPU ({row['seconds_per_put']:.2f} s per put)"
+                f"{puts['files']} x {what} of {each:.0f} MB .pt files: {row['seconds']:.2f} s "
+                f"wall, {row['cpu_seconds']:.2f} s CPU ({row['seconds_per_put']:.2f} s per file)"
             )
     return {"startup": startup, "puts": puts}
 
