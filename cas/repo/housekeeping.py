@@ -32,6 +32,7 @@ from cas.retention.space import (
     store_stats,
     stored_bytes,
 )
+from cas.retention.status import StoreStatus, store_status
 from cas.retention.verify import VerifyReport, verify
 
 
@@ -141,6 +142,13 @@ class HousekeepingOperations:
         """Verify the selected refs in full and copy every missing or corrupt object from
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
+
+    def status(self, *, clock: Callable[[], float] | None = None) -> StoreStatus:
+        """The retention report ``cas status`` prints: usage against the stored budget,
+        protected refs, oldest and newest checkpoint, each run's latest and best, pending GC
+        and quarantine (``cas.retention.status``). Takes the maintenance lock briefly, as
+        ``cas gc --dry-run`` does; changes nothing."""
+        return store_status(self.stores, self.retention_policy(), self.gc_settings(), clock=clock)
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
