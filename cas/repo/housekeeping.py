@@ -9,7 +9,7 @@ store's ``Stores`` (objects, refs, maintenance service), never on its blobs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cas.blobstore.base import BlobStore
 from cas.digest import Digest
@@ -35,6 +35,9 @@ from cas.retention.space import (
 from cas.retention.status import StoreStatus, store_status
 from cas.retention.verify import VerifyReport, verify
 
+if TYPE_CHECKING:
+    from cas.repo.snapshots import SnapshotTaken
+
 
 class HousekeepingOperations:
     """GC, retention, verification, space accounting and stored settings of a Repository."""
@@ -42,6 +45,8 @@ class HousekeepingOperations:
     blobs: BlobStore
     config: StoreConfig
     stores: Stores
+    cp: Callable[..., Digest]
+    """``Repository.cp``: daily snapshots are subset copies."""
 
     # -- settings stored in the store's config -------------------------------------------------
 
@@ -98,11 +103,29 @@ class HousekeepingOperations:
     def forget(
         self, policy: RetentionPolicy | None = None, *, now: float | None = None
     ) -> ForgetResult:
-        """Plan and execute ``policy`` (default: the stored one): remove the refs it drops.
+        """Take the policy's daily snapshots that are missing, then plan and execute ``policy``
+        (default: the stored one): remove the refs it drops.
 
         Chunks are freed by GC afterwards; ``CheckpointManager`` calls this after each save.
         """
+        policy = policy or self._stored_policy()
+        self.take_snapshots(policy, now=now)
         return self.plan_forget(policy, now=now).execute()
+
+    def take_snapshots(
+        self,
+        policy: RetentionPolicy | None = None,
+        *,
+        now: float | None = None,
+        dry_run: bool = False,
+    ) -> list[SnapshotTaken]:
+        """Make today's weights-only snapshot for each ``DailySnapshot`` of ``policy`` (default:
+        the stored one) that lacks one (``cas.repo.snapshots``); ``forget`` does this first."""
+        from cas.repo.snapshots import take_daily_snapshots
+
+        policy = policy or self._stored_policy()
+        when = self.stores.clock() if now is None else now
+        return take_daily_snapshots(self.stores, self.cp, policy, when, dry_run=dry_run)
 
     def _stored_policy(self) -> RetentionPolicy:
         policy = self.retention_policy()
