@@ -350,6 +350,7 @@ def policy_show(obj: Context, as_json: bool) -> None:
 @click.option(
     "--reflog-window", callback=duration_param, metavar="DURATION", help="Default GC reflog window."
 )
+@json_option
 @pass_ctx
 def policy_set(
     obj: Context,
@@ -357,22 +358,24 @@ def policy_set(
     policy_file: Path | None,
     grace: float | None,
     reflog_window: float | None,
+    as_json: bool,
     **options: Any,
 ) -> None:
     """Replace the stored policy with one rule (flags) or a JSON file; set GC defaults.
 
     With --daily-snapshot the stored daily snapshots are replaced by that one.
     """
-    _store_policy(obj, options, policy_file, grace, reflog_window, append=False)
+    _store_policy(obj, options, policy_file, grace, reflog_window, append=False, as_json=as_json)
 
 
 @policy.command("add")
 @_apply(_RULE_OPTIONS + _POLICY_OPTIONS + _SNAPSHOT_OPTIONS)
+@json_option
 @pass_ctx
-def policy_add(obj: Context, /, **options: Any) -> None:
+def policy_add(obj: Context, /, as_json: bool, **options: Any) -> None:
     """Append one rule (flags) or one daily snapshot (--daily-snapshot) to the stored policy;
     earlier rules win for refs both select (daily snapshots' own rules come first)."""
-    _store_policy(obj, options, None, None, None, append=True)
+    _store_policy(obj, options, None, None, None, append=True, as_json=as_json)
 
 
 def _store_policy(
@@ -383,6 +386,7 @@ def _store_policy(
     window: float | None,
     *,
     append: bool,
+    as_json: bool,
 ) -> None:
     from dataclasses import replace
 
@@ -419,17 +423,25 @@ def _store_policy(
                 reflog_window=settings.reflog_window if window is None else window,
             )
         )
+    if as_json:
+        emit_json({"retention": new.to_dict(), "gc": repo.gc_settings().to_config()})
+        return
     for line in new.describe():
         click.echo(line)
 
 
 @policy.command("clear")
+@json_option
 @pass_ctx
-def policy_clear(obj: Context) -> None:
+def policy_clear(obj: Context, as_json: bool) -> None:
     """Remove the stored policy (a plain `cas forget` then refuses to run)."""
     repo = obj.open(create=False)
+    had = repo.retention_policy() is not None
     repo.store_retention_policy(None)
-    click.echo("retention policy removed")
+    if as_json:
+        emit_json({"removed": had})
+        return
+    click.echo("retention policy removed" if had else "there was no retention policy")
 
 
 @policy.command("log")
