@@ -267,9 +267,7 @@ def _runs(by_name: dict[str, RefContent]) -> tuple[RunStatus, ...]:
         run = name.rpartition("/")[0]
         inside = [n for n in by_name if n.startswith(run + "/")]
         best = tuple(
-            (n, _pointee(by_name[n], by_name))
-            for n in sorted(inside)
-            if n.endswith("/best") and n.rpartition("/")[0].startswith(run)
+            (n, _pointee(by_name[n], by_name)) for n in sorted(inside) if n.endswith("/best")
         )
         gates = sum(1 for n in inside if ref_matches(n, "**/gates/**"))
         runs.append(RunStatus(run, _pointee(by_name[name], by_name), best, gates))
