@@ -62,6 +62,12 @@ def test_each_nightly_forget_takes_one_weights_only_snapshot_and_keeps_the_last_
         "checkpoints/checkpoint-50000",
         "checkpoints/checkpoint-51000",
     ]
+    # `cas status` counts the snapshots apart from the checkpoints.
+    status = repo.status(clock=clock)
+    assert (status.checkpoints, status.snapshots) == (2, 3)
+    assert status.newest is not None and status.newest.ref == "checkpoints/checkpoint-51000"
+    assert status.newest_snapshot is not None
+    assert status.newest_snapshot.ref == "snapshots/2026-11-25"
 
 
 def test_a_dry_run_names_the_snapshot_it_would_take_and_takes_none() -> None:

@@ -7,8 +7,9 @@ stored policy would remove now (``cas.retention.plan``), the oldest and newest c
 run's ``latest`` and ``best``, what ``cas gc`` would free now and what waits for the grace period
 (``cas.retention.gc``), and the quarantined objects. It changes nothing.
 
-A *checkpoint* here is a ref that is not a pointer or a log: names ending in ``latest``,
-``best`` or ``history`` and gates (``gates/...``) name checkpoints other refs already name.
+A *checkpoint* here is a ref that is not a pointer, a log or a daily snapshot: names ending in
+``latest``, ``best`` or ``history`` and gates (``gates/...``) name checkpoints other refs already
+name; the stored policy's daily snapshots (``snapshots/{date}``) are counted apart.
 A *run* is the prefix of a ``.../latest`` ref; its ``best`` refs are the ``.../best`` refs under
 that prefix.
 """
@@ -98,6 +99,9 @@ class StoreStatus:
     forget_would_remove: int
     """Refs a plain ``cas forget`` would remove now (0 without a stored policy)."""
     checkpoints: int
+    snapshots: int
+    """Daily snapshots the stored policy takes (``DailySnapshot``)."""
+    newest_snapshot: CheckpointInfo | None
     oldest: CheckpointInfo | None
     newest: CheckpointInfo | None
     runs: tuple[RunStatus, ...]
@@ -128,6 +132,8 @@ class StoreStatus:
             "protected_refs": self.protected_refs,
             "forget_would_remove": self.forget_would_remove,
             "checkpoints": self.checkpoints,
+            "snapshots": self.snapshots,
+            "newest_snapshot": self.newest_snapshot.to_dict() if self.newest_snapshot else None,
             "oldest": self.oldest.to_dict() if self.oldest else None,
             "newest": self.newest.to_dict() if self.newest else None,
             "runs": [run.to_dict() for run in self.runs],
@@ -161,6 +167,10 @@ class StoreStatus:
         if self.oldest is not None and self.newest is not None:
             lines.append(f"  oldest: {self.oldest.describe()}")
             lines.append(f"  newest: {self.newest.describe()}")
+        if self.newest_snapshot is not None:
+            lines.append(
+                f"daily snapshots: {self.snapshots}, newest {self.newest_snapshot.describe()}"
+            )
         for run in self.runs:
             lines.append(f"run {run.run}: latest {run.latest.describe()}")
             lines.extend(f"  best {pointer}: {c.describe()}" for pointer, c in run.best)
@@ -215,8 +225,15 @@ def store_status(
             for d in forget_plan.decisions
             if d.protected and d.reasons != ("no rule selects it",)
         )
+    snapshot_rules = [snap.rule() for snap in policy.snapshots] if policy else []
+    snapshots = sorted(
+        (c for c in contents if any(ref_matches(c.name, r.select) for r in snapshot_rules)),
+        key=lambda c: (c.created_at, c.name),
+    )
+    taken = {c.name for c in snapshots}
     checkpoints = sorted(
-        (c for c in contents if not is_pointer(c.name)), key=lambda c: (c.created_at, c.name)
+        (c for c in contents if not is_pointer(c.name) and c.name not in taken),
+        key=lambda c: (c.created_at, c.name),
     )
     return StoreStatus(
         now=now,
@@ -228,6 +245,8 @@ def store_status(
         protected_refs=len(protected),
         forget_would_remove=would_remove,
         checkpoints=len(checkpoints),
+        snapshots=len(snapshots),
+        newest_snapshot=_info(snapshots[-1]) if snapshots else None,
         oldest=_info(checkpoints[0]) if checkpoints else None,
         newest=_info(checkpoints[-1]) if checkpoints else None,
         runs=_runs(by_name),
