@@ -7,6 +7,8 @@ from cas.cli import gc as _gc  # noqa: F401  (gc, du, stats, leases, unlock)
 from cas.cli import history as _history  # noqa: F401  (history)
 from cas.cli import mount as _mount  # noqa: F401  (mount)
 from cas.cli import retention as _retention  # noqa: F401  (forget, policy)
+from cas.cli import shell as _shell  # noqa: F401  (completion)
+from cas.cli import status as _status  # noqa: F401  (status)
 from cas.cli import sync as _sync  # noqa: F401  (push, pull, archive)
 from cas.cli.app import cli, main
 

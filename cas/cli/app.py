@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import click
+from click.shell_completion import CompletionItem
 
 from cas.errors import CASError
 
@@ -134,8 +135,14 @@ def _fail(message: str, code: int = EXIT_PROBLEM) -> None:
 @click.option(
     "--endpoint-url", envvar="AWS_ENDPOINT_URL", metavar="URL", help="S3-compatible endpoint."
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
-@click.version_option(package_name="cas")
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No progress bars [env CAS_PROGRESS: 1 shows them even when stderr is not a terminal, "
+    "0 hides them].",
+)
+@click.version_option(None, "-V", "--version", package_name="cas")
 @click.pass_context
 def cli(ctx: click.Context, store: str | None, endpoint_url: str | None, quiet: bool) -> None:
     """cas: a content-addressed checkpoint store.
@@ -151,9 +158,43 @@ def cli(ctx: click.Context, store: str | None, endpoint_url: str | None, quiet: 
       cas ls runs/r1 --json                                list refs for scripts
       cas cp runs/r1/ckpt_step00045000 runs/r1/gates/bc_best   a gate copy: writes no chunk
       cas verify --full                                    re-hash every chunk
+
+    \b
+    Progress bars go to stderr when it is a terminal; CAS_PROGRESS=1 shows them anyway
+    (a CI log), CAS_PROGRESS=0 or -q hides them. Shell completion, ref names included:
+      eval "$(cas completion bash)"      (zsh, fish: see `cas completion --help`)
     """
-    quiet = quiet or (not sys.stderr.isatty() and os.environ.get("CAS_PROGRESS") != "1")
+    quiet = quiet or progress_hidden(sys.stderr.isatty(), os.environ.get("CAS_PROGRESS"))
     ctx.obj = Context(store, endpoint_url, quiet)
+
+
+def progress_hidden(stderr_is_terminal: bool, setting: str | None) -> bool:
+    """Whether progress bars stay hidden: ``CAS_PROGRESS`` 1 or 0 decides, else whether
+    stderr is a terminal."""
+    if setting in ("0", "1"):
+        return setting == "0"
+    return not stderr_is_terminal
+
+
+def complete_refs(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    """Shell completion of a REF argument: the names of the store's refs that start with what
+    was typed (the store from ``--store`` or ``CAS_STORE``; nothing if it cannot be opened)."""
+    params = ctx.find_root().params
+    store = params.get("store") or os.environ.get("CAS_STORE")
+    endpoint = params.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+    try:
+        repo = Context(store, endpoint, True).open_url(store, create=False, readonly=True)
+        names = repo.ref_names()
+    except Exception:  # a completion must never print a traceback into the user's prompt
+        return []
+    return [CompletionItem(name) for name in names if name.startswith(incomplete)]
+
+
+def ref_argument(name: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """``click.argument`` for a ref name (or selector), completed with the store's ref names."""
+    return click.argument(name, shell_complete=complete_refs, **kwargs)
 
 
 pass_ctx = click.make_pass_decorator(Context)

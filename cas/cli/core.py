@@ -18,6 +18,7 @@ from cas.cli.app import (
     json_option,
     pass_ctx,
     progress_bar,
+    ref_argument,
     require_refs,
     warn_damaged,
 )
@@ -77,7 +78,7 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
 
 @cli.command()
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
-@click.argument("ref")
+@ref_argument("ref")
 @click.option(
     "-m", "--meta", multiple=True, metavar="KEY=VALUE", help="Metadata to record (repeatable)."
 )
@@ -161,7 +162,7 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
 
 
 @cli.command()
-@click.argument("ref")
+@ref_argument("ref")
 @click.argument("dest", type=click.Path(path_type=str))
 @click.option(
     "--format",
@@ -196,7 +197,7 @@ def get(
 
 
 @cli.command(name="ls")
-@click.argument("prefix", default="")
+@ref_argument("prefix", default="")
 @click.option("-l", "--long", "long_", is_flag=True, help="Show size, time and metadata.")
 @json_option
 @pass_ctx
@@ -244,7 +245,7 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("ref")
+@ref_argument("ref")
 @json_option
 @pass_ctx
 def show(obj: Context, ref: str, as_json: bool) -> None:
@@ -279,7 +280,7 @@ def show(obj: Context, ref: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("ref")
+@ref_argument("ref")
 @click.option(
     "-n",
     "--max-count",
@@ -323,8 +324,8 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("src")
-@click.argument("dst")
+@ref_argument("src")
+@ref_argument("dst")
 @click.option(
     "--only",
     multiple=True,
@@ -354,7 +355,7 @@ def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_
 
 
 @cli.command()
-@click.argument("refs", nargs=-1, required=True)
+@ref_argument("refs", nargs=-1, required=True)
 @json_option
 @pass_ctx
 def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
@@ -371,8 +372,8 @@ def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("a")
-@click.argument("b")
+@ref_argument("a")
+@ref_argument("b")
 @json_option
 @pass_ctx
 def diff(obj: Context, a: str, b: str, as_json: bool) -> None:
@@ -390,7 +391,7 @@ def diff(obj: Context, a: str, b: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("refs", nargs=-1)
+@ref_argument("refs", nargs=-1)
 @click.option("--full", is_flag=True, help="Re-read and re-hash every chunk, and check its size.")
 @click.option(
     "--sample",

@@ -15,6 +15,7 @@ from cas.cli.app import (
     human_bytes,
     json_option,
     pass_ctx,
+    ref_argument,
     require_refs,
     warn_damaged,
 )
@@ -117,7 +118,7 @@ def run_gc(
 
 
 @cli.command()
-@click.argument("selector", default="")
+@ref_argument("selector", default="")
 @click.option("-r", "--refs", "per_ref", is_flag=True, help="One line per ref as well.")
 @json_option
 @pass_ctx
@@ -232,10 +233,15 @@ def leases(obj: Context, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--yes", is_flag=True, help="Do not ask.")
+@json_option
 @pass_ctx
-def unlock(obj: Context, yes: bool) -> None:
+def unlock(obj: Context, yes: bool, as_json: bool) -> None:
     """Break the maintenance lock of a `cas forget`/`cas gc` that died."""
     if not yes and sys.stdin.isatty():
         click.confirm("Break the maintenance lock (only if no forget/gc is running)?", abort=True)
     repo = obj.open(create=False)
-    click.echo("lock removed" if repo.break_maintenance_lock() else "there was no lock")
+    removed = repo.break_maintenance_lock()
+    if as_json:
+        emit_json({"removed": removed})
+        return
+    click.echo("lock removed" if removed else "there was no lock")

@@ -9,13 +9,13 @@ from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, pass_ctx
+from cas.cli.app import Context, cli, emit_json, pass_ctx, ref_argument
 
 FIRST_COLUMNS = ("step", "event")
 
 
 @cli.command()
-@click.argument("ref")
+@ref_argument("ref")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as a JSON list.")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV: one column per (flattened) key.")
 @click.option("--event", "events", multiple=True, metavar="NAME", help="Only these events.")

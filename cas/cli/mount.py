@@ -6,12 +6,12 @@ from pathlib import Path
 
 import click
 
-from cas.cli.app import Context, cli, pass_ctx
+from cas.cli.app import Context, cli, pass_ctx, ref_argument
 from cas.errors import CASError
 
 
 @cli.command()
-@click.argument("ref")
+@ref_argument("ref")
 @click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
     "--allow-other", is_flag=True, help="Let other users read the mount (needs user_allow_other)."

@@ -106,6 +106,58 @@ _POLICY_OPTIONS = [
     ),
 ]
 
+_SNAPSHOT_OPTIONS = [
+    click.option(
+        "--daily-snapshot",
+        "snapshot_source",
+        metavar="GLOB",
+        help="Each forget takes today's weights-only copy of the newest checkpoint GLOB selects.",
+    ),
+    click.option(
+        "--snapshot-into",
+        metavar="TEMPLATE",
+        default="snapshots/{date}",
+        show_default=True,
+        help="The snapshot's ref name; {date} is YYYY-MM-DD in the policy's timezone.",
+    ),
+    click.option(
+        "--snapshot-only",
+        multiple=True,
+        metavar="PATTERN",
+        help="Entries the snapshot keeps (repeatable) [model.*].",
+    ),
+    click.option(
+        "--snapshot-keep",
+        type=int,
+        default=7,
+        show_default=True,
+        help="Keep the last N snapshots (0: all).",
+    ),
+    click.option(
+        "--snapshot-protect-days",
+        type=int,
+        default=0,
+        help="Protect the newest snapshot of each of the last N days, even from the budget.",
+    ),
+]
+
+
+def _snapshot_from(options: dict[str, Any]) -> Any:
+    """A DailySnapshot from the snapshot flags, or None without --daily-snapshot."""
+    from cas.retention.policy import DailySnapshot
+
+    source = options.pop("snapshot_source")
+    into = options.pop("snapshot_into")
+    only = tuple(options.pop("snapshot_only")) or ("model.*",)
+    keep = options.pop("snapshot_keep")
+    protect_days = options.pop("snapshot_protect_days")
+    if source is None:
+        return None
+    try:
+        return DailySnapshot(source, into, only, keep, protect_days)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+
 
 def _apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
     def decorate(f: F) -> F:
@@ -220,12 +272,22 @@ def forget(
       cas forget --select 'cobre/policy/ckpt_*' --keep-last 3 --protect-targets-of cobre/policy/latest
       cas forget --select 'runs/*/phase*/ckpt_*' --max-count 20 --protect-targets-of 'runs/*/gates/*'
       cas policy set ... && cas forget --prune        (what a cron job runs)
+
+    A stored policy's daily snapshots (`cas policy add --daily-snapshot GLOB`) are taken first:
+    today's weights-only copy of the newest checkpoint GLOB selects, if it is missing.
     """
     repo = obj.open(create=False)
     policy = _policy_from_flags(repo, options)
+    snapshots = repo.take_snapshots(policy, dry_run=dry_run)
     plan = repo.plan_forget(policy)
-    out: dict[str, Any] = {"dry_run": dry_run, "plan": plan.to_dict()}
+    out: dict[str, Any] = {
+        "dry_run": dry_run,
+        "snapshots": [s.to_dict() for s in snapshots],
+        "plan": plan.to_dict(),
+    }
     if not as_json:
+        for taken in snapshots:
+            click.echo(f"snapshot {taken.ref}: {taken.note}")
         for line in plan.summary(show_kept=verbose or dry_run):
             click.echo(line)
     if not dry_run:
@@ -275,7 +337,7 @@ def policy_show(obj: Context, as_json: bool) -> None:
 
 
 @policy.command("set")
-@_apply(_RULE_OPTIONS + _POLICY_OPTIONS)
+@_apply(_RULE_OPTIONS + _POLICY_OPTIONS + _SNAPSHOT_OPTIONS)
 @click.option(
     "--file",
     "policy_file",
@@ -288,6 +350,7 @@ def policy_show(obj: Context, as_json: bool) -> None:
 @click.option(
     "--reflog-window", callback=duration_param, metavar="DURATION", help="Default GC reflog window."
 )
+@json_option
 @pass_ctx
 def policy_set(
     obj: Context,
@@ -295,18 +358,24 @@ def policy_set(
     policy_file: Path | None,
     grace: float | None,
     reflog_window: float | None,
+    as_json: bool,
     **options: Any,
 ) -> None:
-    """Replace the stored policy with one rule (flags) or a JSON file; set GC defaults."""
-    _store_policy(obj, options, policy_file, grace, reflog_window, append=False)
+    """Replace the stored policy with one rule (flags) or a JSON file; set GC defaults.
+
+    With --daily-snapshot the stored daily snapshots are replaced by that one.
+    """
+    _store_policy(obj, options, policy_file, grace, reflog_window, append=False, as_json=as_json)
 
 
 @policy.command("add")
-@_apply(_RULE_OPTIONS + _POLICY_OPTIONS)
+@_apply(_RULE_OPTIONS + _POLICY_OPTIONS + _SNAPSHOT_OPTIONS)
+@json_option
 @pass_ctx
-def policy_add(obj: Context, /, **options: Any) -> None:
-    """Append one rule (flags) to the stored policy; earlier rules win for refs both select."""
-    _store_policy(obj, options, None, None, None, append=True)
+def policy_add(obj: Context, /, as_json: bool, **options: Any) -> None:
+    """Append one rule (flags) or one daily snapshot (--daily-snapshot) to the stored policy;
+    earlier rules win for refs both select (daily snapshots' own rules come first)."""
+    _store_policy(obj, options, None, None, None, append=True, as_json=as_json)
 
 
 def _store_policy(
@@ -317,6 +386,7 @@ def _store_policy(
     window: float | None,
     *,
     append: bool,
+    as_json: bool,
 ) -> None:
     from dataclasses import replace
 
@@ -324,6 +394,7 @@ def _store_policy(
     from cas.retention.policy import RetentionPolicy, policy_with
 
     repo = obj.open(create=False)
+    snapshot = _snapshot_from(options)
     rule = _rule_from(options)
     changes = _policy_changes(options)
     stored = repo.retention_policy() or RetentionPolicy()
@@ -336,6 +407,8 @@ def _store_policy(
         new = replace(stored, rules=(*stored.rules, *((rule,) if rule else ())))
     else:
         new = RetentionPolicy(rules=(rule,) if rule else ()) if rule else stored
+    if snapshot is not None:
+        new = replace(new, snapshots=(*(new.snapshots if append else ()), snapshot))
     try:
         new = policy_with(new, **changes)
     except ValueError as e:
@@ -350,17 +423,25 @@ def _store_policy(
                 reflog_window=settings.reflog_window if window is None else window,
             )
         )
+    if as_json:
+        emit_json({"retention": new.to_dict(), "gc": repo.gc_settings().to_config()})
+        return
     for line in new.describe():
         click.echo(line)
 
 
 @policy.command("clear")
+@json_option
 @pass_ctx
-def policy_clear(obj: Context) -> None:
+def policy_clear(obj: Context, as_json: bool) -> None:
     """Remove the stored policy (a plain `cas forget` then refuses to run)."""
     repo = obj.open(create=False)
+    had = repo.retention_policy() is not None
     repo.store_retention_policy(None)
-    click.echo("retention policy removed")
+    if as_json:
+        emit_json({"removed": had})
+        return
+    click.echo("retention policy removed" if had else "there was no retention policy")
 
 
 @policy.command("log")

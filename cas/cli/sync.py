@@ -8,7 +8,16 @@ from typing import Any
 
 import click
 
-from cas.cli.app import Context, byte_bar, cli, emit_json, human_bytes, json_option, pass_ctx
+from cas.cli.app import (
+    Context,
+    byte_bar,
+    cli,
+    emit_json,
+    human_bytes,
+    json_option,
+    pass_ctx,
+    ref_argument,
+)
 
 codec_option = click.option(
     "--codec", default="keep", show_default=True, metavar="NAME",
@@ -50,7 +59,7 @@ def _print_report(report: Any, verb: str) -> None:
 
 
 @cli.command()
-@click.argument("refs", nargs=-1, required=True)
+@ref_argument("refs", nargs=-1, required=True)
 @click.option(
     "--to", "url", required=True, metavar="URL", help="Destination store (s3://..., a path)."
 )
@@ -105,7 +114,7 @@ def pull(
 
 
 @cli.command()
-@click.argument("refs", nargs=-1, required=True)
+@ref_argument("refs", nargs=-1, required=True)
 @click.option("--to", "url", required=True, metavar="URL", help="Archive store (s3://...).")
 @click.option(
     "--grace", default="0", show_default=True, metavar="DURATION",

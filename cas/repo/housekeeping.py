@@ -9,7 +9,7 @@ store's ``Stores`` (objects, refs, maintenance service), never on its blobs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cas.blobstore.base import BlobStore
 from cas.digest import Digest
@@ -32,7 +32,11 @@ from cas.retention.space import (
     store_stats,
     stored_bytes,
 )
+from cas.retention.status import StoreStatus, store_status
 from cas.retention.verify import VerifyReport, verify
+
+if TYPE_CHECKING:
+    from cas.repo.snapshots import SnapshotTaken
 
 
 class HousekeepingOperations:
@@ -41,6 +45,8 @@ class HousekeepingOperations:
     blobs: BlobStore
     config: StoreConfig
     stores: Stores
+    cp: Callable[..., Digest]
+    """``Repository.cp``: daily snapshots are subset copies."""
 
     # -- settings stored in the store's config -------------------------------------------------
 
@@ -97,11 +103,29 @@ class HousekeepingOperations:
     def forget(
         self, policy: RetentionPolicy | None = None, *, now: float | None = None
     ) -> ForgetResult:
-        """Plan and execute ``policy`` (default: the stored one): remove the refs it drops.
+        """Take the policy's daily snapshots that are missing, then plan and execute ``policy``
+        (default: the stored one): remove the refs it drops.
 
         Chunks are freed by GC afterwards; ``CheckpointManager`` calls this after each save.
         """
+        policy = policy or self._stored_policy()
+        self.take_snapshots(policy, now=now)
         return self.plan_forget(policy, now=now).execute()
+
+    def take_snapshots(
+        self,
+        policy: RetentionPolicy | None = None,
+        *,
+        now: float | None = None,
+        dry_run: bool = False,
+    ) -> list[SnapshotTaken]:
+        """Make today's weights-only snapshot for each ``DailySnapshot`` of ``policy`` (default:
+        the stored one) that lacks one (``cas.repo.snapshots``); ``forget`` does this first."""
+        from cas.repo.snapshots import take_daily_snapshots
+
+        policy = policy or self._stored_policy()
+        when = self.stores.clock() if now is None else now
+        return take_daily_snapshots(self.stores, self.cp, policy, when, dry_run=dry_run)
 
     def _stored_policy(self) -> RetentionPolicy:
         policy = self.retention_policy()
@@ -141,6 +165,13 @@ class HousekeepingOperations:
         """Verify the selected refs in full and copy every missing or corrupt object from
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
+
+    def status(self, *, clock: Callable[[], float] | None = None) -> StoreStatus:
+        """The retention report ``cas status`` prints: usage against the stored budget,
+        protected refs, oldest and newest checkpoint, each run's latest and best, pending GC
+        and quarantine (``cas.retention.status``). Takes the maintenance lock briefly, as
+        ``cas gc --dry-run`` does; changes nothing."""
+        return store_status(self.stores, self.retention_policy(), self.gc_settings(), clock=clock)
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cas.digest import Digest
@@ -257,6 +257,8 @@ class _Entry:
 def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = None) -> ForgetPlan:
     """Decide, for every ref, keep or drop and why; sizes say what dropping frees."""
     now = stores.clock() if now is None else now
+    # Daily snapshots are retained by rules of their own, ahead of the policy's.
+    policy = replace(policy, rules=policy.effective_rules(), snapshots=())
     zone = zone_of(policy.timezone)
     contents = read_contents(stores, stores.refs.records())
     entries = [_classify(policy, c) for c in contents]

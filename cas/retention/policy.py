@@ -205,6 +205,85 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class DailySnapshot:
+    """Once a day, a weights-only copy of the newest checkpoint ``source`` selects.
+
+    ``Repository.take_snapshots`` (run by ``forget`` before it plans) copies the newest ref
+    matching ``source`` (by manifest creation time) to ``into`` with ``{date}`` as today's
+    ``YYYY-MM-DD`` in the policy's timezone, keeping the entries ``only`` matches, unless that
+    ref exists. A copy writes no chunk. The snapshots are then retained by a rule of their own,
+    ahead of the policy's rules: the last ``keep`` of them (0: all), the newest of each of the
+    last ``protect_days`` days protected even from the budget.
+    """
+
+    source: str
+    into: str = "snapshots/{date}"
+    only: tuple[str, ...] = ("model.*",)
+    keep: int = 7
+    protect_days: int = 0
+    budget_priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError("a daily snapshot needs a source pattern")
+        if self.into.count("{date}") != 1 or "{" in self.into.replace("{date}", ""):
+            raise ValueError(
+                f"snapshot name {self.into!r} must hold {{date}} once, and no other {{}}"
+            )
+        if not self.only or not all(isinstance(p, str) and p for p in self.only):
+            raise ValueError("a daily snapshot needs the key patterns it keeps (only)")
+        for name in ("keep", "protect_days", "budget_priority"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"snapshot {name} must be a whole number, not {value!r}")
+        if self.keep < 0 or self.protect_days < 0:
+            raise ValueError("snapshot keep and protect_days must not be negative")
+
+    def ref_for(self, day: dt.date) -> str:
+        """The snapshot ref of ``day``."""
+        return self.into.replace("{date}", day.isoformat())
+
+    def rule(self) -> Rule:
+        """The rule that retains these snapshots."""
+        return Rule(
+            self.into.replace("{date}", "*"),
+            name=f"daily snapshots of {self.source}",
+            keep_last=self.keep,
+            protect_days=self.protect_days,
+            budget_priority=self.budget_priority,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the stored policy."""
+        return {
+            "source": self.source,
+            "into": self.into,
+            "only": list(self.only),
+            "keep": self.keep,
+            "protect_days": self.protect_days,
+            "budget_priority": self.budget_priority,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> DailySnapshot:
+        """Parse one snapshot setting; unknown keys are an error."""
+        unknown = set(doc) - {f.name for f in fields(cls)}
+        if unknown:
+            raise FormatError(f"unknown daily snapshot settings: {', '.join(sorted(unknown))}")
+        values = dict(doc)
+        if "only" in values:
+            only = values["only"]
+            values["only"] = (only,) if isinstance(only, str) else tuple(only)
+        return cls(**values)
+
+    def describe(self) -> str:
+        """One line for ``cas policy show``."""
+        keep = f"keep last {self.keep}" if self.keep else "keep all"
+        days = f", protect {self.protect_days} days" if self.protect_days else ""
+        return f"daily snapshot {self.into} <- newest {self.source} ({', '.join(self.only)}), {keep}{days}"
+
+
+@dataclass(frozen=True)
 class RetentionPolicy:
     """Rules plus store-wide settings. ``Repository.plan_forget(policy)`` says what it would
     remove (``cas.retention.plan``), ``Repository.forget(policy)`` removes it."""
@@ -218,11 +297,18 @@ class RetentionPolicy:
     """Store-wide budget on what kept refs reach; 0 means none."""
     timezone: str = "UTC"
     """Where calendar hours/days/weeks/months begin: ``UTC``, ``local`` or an IANA name."""
+    snapshots: tuple[DailySnapshot, ...] = ()
+    """Daily weights-only snapshots ``forget`` takes before it plans, each retained by a rule
+    ahead of ``rules``."""
 
     def __post_init__(self) -> None:
         if self.min_age < 0 or self.max_total_bytes < 0:
             raise ValueError("min_age and max_total_bytes must not be negative")
         zone_of(self.timezone)
+
+    def effective_rules(self) -> tuple[Rule, ...]:
+        """The rules a plan applies: each daily snapshot's rule first, then ``rules``."""
+        return (*(snap.rule() for snap in self.snapshots), *self.rules)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``StoreConfig.extra["retention"]`` and ``--json``."""
@@ -232,6 +318,9 @@ class RetentionPolicy:
             "min_age": self.min_age,
             "max_total_bytes": self.max_total_bytes,
             "timezone": self.timezone,
+            **(
+                {"snapshots": [snap.to_dict() for snap in self.snapshots]} if self.snapshots else {}
+            ),
         }
 
     @classmethod
@@ -249,6 +338,7 @@ class RetentionPolicy:
                 min_age=parse_duration(doc.get("min_age", 0)),
                 max_total_bytes=parse_size(doc.get("max_total_bytes", 0)),
                 timezone=str(doc.get("timezone", "UTC")),
+                snapshots=tuple(DailySnapshot.from_dict(d) for d in doc.get("snapshots", ())),
             )
         except (TypeError, ValueError) as e:
             raise FormatError(f"bad retention policy: {e}") from e
@@ -273,6 +363,7 @@ class RetentionPolicy:
             lines.append(f"max-total: {format_size(self.max_total_bytes)}")
         if self.timezone != "UTC":
             lines.append(f"timezone: {self.timezone}")
+        lines.extend(snap.describe() for snap in self.snapshots)
         return lines or ["no retention policy: forget removes nothing"]
 
 

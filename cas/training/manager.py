@@ -14,7 +14,8 @@ config hash. Every save writes chunks, then the manifest, then the checkpoint re
 ``latest`` and ``best`` by compare-and-swap: a process killed at any point leaves ``latest`` on a
 complete checkpoint. A ``policy`` is a ``RetentionPolicy`` (applied with ``Repository.forget``),
 anything with ``apply(repo)`` or a callable ``policy(repo)``; it runs after each save, in the
-background.
+background. A ``mirror`` (a Repository or URL: the S3 archive) receives each gate and every move
+of ``best`` by push, so a corrupt gate can be healed from it (``cas.training.runrefs``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from cas.training.restore import (
     unwrap,
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
-from cas.training.runrefs import RunRefs
+from cas.training.runrefs import RunRefs, open_mirror
 from cas.training.saves import PendingSave, PreparedSave, SaveResult, beats_best, user_metadata
 from cas.training.signals import SignalTriggers
 
@@ -97,6 +98,7 @@ class CheckpointManager(RunRefs):
         every_n_steps: int | None = None,
         best: tuple[str, str] | None = None,
         policy: Any = None,
+        mirror: Repository | str | None = None,
         config: Any = None,
         system_hash: str | None = None,
         layout: Layout = DEFAULT_LAYOUT,
@@ -118,6 +120,7 @@ class CheckpointManager(RunRefs):
         self.every_n_steps = every_n_steps
         self.best = best
         self.policy = policy
+        self.mirror = open_mirror(mirror)
         self.config = config
         self.config_hash = config_hash(config) if config is not None else None
         self.system_hash = system_hash
@@ -396,6 +399,7 @@ class CheckpointManager(RunRefs):
         )
         self._latest_target = digest
         is_best = self._update_best(digest, prepared)
+        mirror_error = self._mirror_best(prepared.phase, digest)
         retention_error = None
         if self.policy is not None:
             try:
@@ -416,6 +420,7 @@ class CheckpointManager(RunRefs):
             logical,
             new,
             retention_error,
+            mirror_error,
         )
         self._last_result = result
         return result

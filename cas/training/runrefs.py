@@ -7,10 +7,12 @@ written here), kept apart so the manager's save and resume logic reads on its ow
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
+from cas.errors import CASError
 from cas.repo.repository import Repository
 from cas.training.compat import check_keys
 from cas.training.restore import load_checkpoint, unwrap
@@ -21,6 +23,17 @@ if TYPE_CHECKING:
 
     from cas.training.pool import OpponentPool
 
+log = logging.getLogger("cas.training.manager")
+
+
+def open_mirror(mirror: Repository | str | None) -> Repository | None:
+    """The mirror store: a Repository as given, or one opened (created if new) from a URL."""
+    if mirror is None or isinstance(mirror, Repository):
+        return mirror
+    from cas.repo.opening import open as open_store
+
+    return open_store(mirror)
+
 
 class RunRefs:
     """Ref names and pointer reads of one run; mixed into ``CheckpointManager``."""
@@ -30,6 +43,9 @@ class RunRefs:
     phase: int
     layout: Layout
     clock: Callable[[], float]
+    mirror: Repository | None = None
+    """A second store (an S3 archive...) that gates and ``best`` are pushed to on promotion,
+    so ``cas verify --full --repair-from`` there can heal them."""
 
     def wait(self) -> None:
         """Wait for saves in flight (the manager's); pointers are read after them."""
@@ -79,14 +95,39 @@ class RunRefs:
 
         A gate is a ref of its own (no chunk is written), so pruning checkpoints never removes
         it when the policy protects it (``runs/*/gates/*``). A gate that already names another
-        checkpoint is replaced only with ``overwrite=True``; otherwise AlreadyExists.
+        checkpoint is replaced only with ``overwrite=True``; otherwise AlreadyExists. With a
+        ``mirror`` store the gate is pushed there too; a failed push raises (the gate stands).
         """
         self.wait()
         if source is None:
             source = self.best_ref if self._read_target(self.best_ref) else self.latest_ref
-        return self.repo.cp(
-            source, self.gate_ref(name), message=f"gate {name} from {source}", overwrite=overwrite
+        gate = self.gate_ref(name)
+        digest = self.repo.cp(
+            source, gate, message=f"gate {name} from {source}", overwrite=overwrite
         )
+        try:
+            self._mirror(gate)
+        except CASError as e:
+            raise type(e)(f"gate {gate} is promoted, but not mirrored: {e}") from e
+        return digest
+
+    def _mirror(self, ref: str) -> None:
+        """Push ``ref`` (its missing chunks, then the ref) to the mirror store, if there is one."""
+        if self.mirror is not None:
+            self.repo.push(self.mirror, [ref])
+
+    def _mirror_best(self, phase: int, digest: Digest) -> str | None:
+        """Push this phase's ``best`` to the mirror if it names ``digest`` (a save just became
+        the best); why that failed, or None. A failed push does not fail the save."""
+        best_ref = self.layout.best.format(run=self.run, phase=phase)
+        if self.mirror is None or self._read_target(best_ref) != digest:
+            return None
+        try:
+            self._mirror(best_ref)
+        except CASError as e:
+            log.warning("%s moved, but was not mirrored: %s", best_ref, e)
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def load_gate(
         self,

@@ -30,6 +30,8 @@ class SaveResult:
     new_bytes: int
     retention_error: str | None = None
     """Why the retention policy did not run after this save (it is committed all the same)."""
+    mirror_error: str | None = None
+    """Why ``best``, moved to this save, was not pushed to the mirror store."""
 
 
 class PendingSave:
