@@ -52,6 +52,11 @@ _FILTERS = {0, 1, 2}  # no filter, shuffle, bitshuffle
 _BLOSC2_FLAGS_KNOWN = 0x01 | 0x70  # a zstd dictionary, run-length special values
 MAX_CHUNK = 2**31 - 1 - CHUNK_HEADER
 """Blosc2 chunks hold at most this many bytes (cas chunks are far smaller)."""
+BLOCK = 1 << 20
+"""Blosc2 block size. Blocks are shuffled and compressed one by one (and on threads in
+parallel); Blosc2's own choice at zstd level 1 is 128 KiB, which stored the tensors of a small
+GPT's AdamW checkpoints 1.4% of raw larger than whole-tensor blocks (0.833 vs 0.819) at the
+same decode speed, as each plane of a block is compressed on its own (split mode)."""
 THREADED_FROM = 1 << 20
 """Chunks from this size on are (de)compressed on two threads: the blocks of a 4 MiB chunk
 decode about 1.3x faster so, while for small chunks starting threads costs more than it saves."""
@@ -113,6 +118,7 @@ def blosc_compress(data: Bytes, typesize: int, level: int, compressor: str, filt
         clevel=min(max(level, 1), 9),
         codec=lib.Codec.ZSTD if compressor == "zstd" else lib.Codec.LZ4,
         filters=[lib.Filter.SHUFFLE if filt == "shuffle" else lib.Filter.BITSHUFFLE],
+        blocksize=min(len(data), BLOCK),
         nthreads=_threads(len(data)),
     )
     return out
