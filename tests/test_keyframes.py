@@ -96,3 +96,33 @@ def test_a_store_chained_against_parents_switches_to_keyframes_without_deep_chai
         assert max(e.get("depth", 0) for e in tensor_encodings(reopened, "ckpt").values()) <= 1
     for back, state in enumerate(reversed(states)):
         assert_bit_exact(reopened.load(f"ckpt~{back}"), state)
+
+
+def test_a_store_of_the_numpy_codecs_moves_to_the_shuffle_codecs_by_a_push(
+    tmp_path: Path,
+) -> None:
+    old = delta_repo(tmp_path / "old", codec="sub-delta")
+    states = training_states(3)
+    for state in states:
+        old.save(state, "ckpt")
+    old_ids = {_codec_id(old, d) for d in _all_chunks(old)}
+    assert old_ids <= {2, 4} and 4 in old_ids  # bytegroup-zstd and sub-delta, as written before
+
+    new = cas.open(tmp_path / "new", config=old.config)
+    old.push(new, ["ckpt"], codec="auto")
+    new_ids = {_codec_id(new, d) for d in _all_chunks(new)}
+    assert new_ids and new_ids <= {0, 5, 6, 7}, new_ids  # raw or a shuffle codec, standalone
+    assert_bit_exact(new.load("ckpt"), states[-1])
+    # The old store still loads every version it holds.
+    for back, state in enumerate(reversed(states)):
+        assert_bit_exact(old.load(f"ckpt~{back}"), state)
+
+
+def _all_chunks(repo: cas.Repository) -> list[Digest]:
+    return [Digest(k.rsplit("/", 1)[-1]) for k in repo.blobs.list("chunks/")]
+
+
+def _codec_id(repo: cas.Repository, digest: Digest) -> int:
+    from cas.objects.store import chunk_key
+
+    return repo.blobs.get_range(chunk_key(digest), 0, 16)[5]
