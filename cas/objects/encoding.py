@@ -134,9 +134,13 @@ class Choice:
 
 
 def candidates(dtype: str, elem: int, with_base: bool) -> list[Codec]:
-    """Codecs worth trying, cheapest to decode first: byte shuffle, bit shuffle (which packs
-    booleans and small integers tighter), then the deltas (which decode their base too)."""
-    out = [codec_by_name("shuffle-zstd"), codec_by_name("bitshuffle-zstd")]
+    """Codecs worth trying, cheapest to decode first: byte shuffle, bit shuffle for 1-byte and
+    integer elements (it packs booleans and small integers tighter; on float tensors it stored
+    3% more than byte shuffle, so its trial is skipped there), then the deltas (which decode
+    their base too)."""
+    out = [codec_by_name("shuffle-zstd")]
+    if elem == 1 or not dtype.startswith(("float", "bfloat", "complex")):
+        out.append(codec_by_name("bitshuffle-zstd"))
     if with_base:
         out.append(codec_by_name("xor-shuffle-zstd"))
         if elem in (1, 2, 4, 8):
