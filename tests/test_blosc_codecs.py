@@ -137,3 +137,20 @@ def test_blosc_codecs_store_trained_weights_smaller_than_plain_zstd_and_lz4_trad
     }
     assert sizes["shuffle-zstd"] < 0.95 * sizes["zstd"]
     assert sizes["shuffle-zstd"] < sizes["shuffle-lz4"] < len(data)
+
+
+def test_the_first_blosc_decode_leaves_pythons_random_stream_alone() -> None:
+    # A resume restores the run's RNG states and then loads; importing blosc2 draws from the
+    # global generator, so the codec module restores it.
+    import subprocess
+    import sys
+
+    script = (
+        "import random; random.seed(7); from cas.codecs import codec_by_name, EncodeHints; "
+        "c = codec_by_name('shuffle-zstd'); p, pl = c.encode(memoryview(bytes(64)), EncodeHints()); "
+        "print(random.random())"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    import random
+
+    assert float(out.stdout) == random.Random(7).random()

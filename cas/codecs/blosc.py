@@ -72,8 +72,14 @@ def _lib() -> Any:
     if _blosc2 is None:
         with _ready:
             if _blosc2 is None:
+                import random
+
+                # Importing blosc2 draws from Python's global random generator; a load must not
+                # move a training run's seeded stream (it may have just been restored).
+                state = random.getstate()
                 import blosc2
 
+                random.setstate(state)
                 blosc2.set_releasegil(True)
                 _blosc2 = blosc2
     return _blosc2
