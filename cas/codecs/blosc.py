@@ -1,10 +1,10 @@
-"""Shuffle + zstd / lz4 codecs on C-Blosc2 (ids 5-9): SIMD shuffles, threads, one bounded chunk.
+"""Shuffle + zstd / lz4 codecs on C-Blosc2 (ids 5-9): compiled SIMD shuffles, one bounded chunk.
 
 C-Blosc2 does in compiled, vectorised code what ``bytegroup-zstd`` does with numpy: it splits
-each block into byte planes (shuffle) or bit planes (bitshuffle), compresses each block with
-zstd or lz4 and stores a block whose compression does not pay as it is. Measured on fp32
-fine-tune weights it stores slightly less than ``bytegroup-zstd`` and decodes two to three times
-faster, more with two threads. The delta codecs compute ``chunk XOR base`` or the zigzag
+each block into byte planes (shuffle) or bit planes (bitshuffle), compresses each plane with
+zstd or lz4 and stores a block whose compression does not pay as it is. Measured on the tensors
+of a small GPT's AdamW checkpoints it stores what ``bytegroup-zstd`` does (0.819 of raw) and
+decodes 1.5-2x faster. The delta codecs compute ``chunk XOR base`` or the zigzag
 difference of ``cas.codecs.xor_delta`` first, then shuffle and compress the result.
 
 | id | name | payload |
