@@ -126,3 +126,16 @@ def _codec_id(repo: cas.Repository, digest: Digest) -> int:
     from cas.objects.store import chunk_key
 
     return repo.blobs.get_range(chunk_key(digest), 0, 16)[5]
+
+
+def test_a_named_delta_codec_also_starts_a_new_keyframe_when_deltas_save_too_little(
+    tmp_path: Path,
+) -> None:
+    states = training_states(3)
+    for rekey, expect_deltas in ((0.3, False), (1.0, True)):
+        repo = _keyframe_repo(tmp_path / str(rekey), rekey=rekey)
+        for state in states:
+            repo.save(state, "ckpt", codec="sub-shuffle-zstd")
+        encodings = tensor_encodings(repo, "ckpt").values()
+        assert any("base" in e for e in encodings) == expect_deltas
+        assert_bit_exact(repo.load("ckpt"), states[-1])

@@ -22,8 +22,9 @@ entry lists the transitive bases its chunks need (``cas.objects.chains``) and th
 refreshes them, so a concurrent GC sees them as in use.
 
 A named codec (``"raw"``, ``"shuffle-zstd"``, ``"shuffle-lz4"``...) is used for every chunk; a
-named delta codec is used wherever a parent tensor matches, and elsewhere ``shuffle-zstd`` (or
-``bytegroup-zstd`` for the numpy delta codecs, whose stores keep their older family).
+named delta codec is used wherever a parent tensor matches (against a keyframe, while it stores
+under ``rekey`` of a fresh one), and elsewhere ``shuffle-zstd`` (or ``bytegroup-zstd`` for the
+numpy delta codecs, whose stores keep their older family).
 """
 
 from __future__ import annotations
@@ -342,7 +343,10 @@ class TensorWriter:
         if bases and self.settings.anchor == KEYFRAME:
             bases = self._keyframes(bases)
         if self.codec_name != AUTO:
-            codec = codec_by_name(self.codec_name) if bases else fallback
+            codec = codec_by_name(self.codec_name)
+            if bases and codec.needs_base and self.settings.anchor == KEYFRAME:
+                bases = bases if self._keyframe_pays(target, bases, codec, fallback, elem) else ()
+            codec = codec if bases else fallback
             return _Plan(codec, fallback, elem, bases if codec.needs_base else ())
         probe = self._first_new_chunk(target)
         if probe is None:
@@ -356,6 +360,34 @@ class TensorWriter:
         delta = choice.codec.needs_base
         encoded = (probe, choice.encoded) if choice.encoded is not None else None
         return _Plan(choice.codec, fallback, elem, bases if delta else (), encoded)
+
+    def _keyframe_pays(
+        self,
+        target: TensorTarget,
+        bases: tuple[Digest, ...],
+        codec: Codec,
+        fallback: Codec,
+        elem: int,
+    ) -> bool:
+        """Whether a named delta codec still stores under ``rekey`` of a fresh keyframe against
+        these keyframes (on a sample of the first new chunk), as ``auto`` asks of its deltas."""
+        probe = self._first_new_chunk(target)
+        base = self._base_bytes(bases[probe]) if probe is not None else None
+        if probe is None or base is None:
+            return probe is None  # all stored already: nothing is encoded either way
+        data = memoryview(target.chunk(probe))
+        slices = sample_of(data, elem, self.settings.sample_bytes)
+        sample = memoryview(b"".join(data[o : o + n] for o, n in slices))
+        base_view = memoryview(base)
+        hints = EncodeHints(elem_size=elem, level=self.level)
+        delta_hints = replace(
+            hints,
+            base=b"".join(base_view[o : o + n] for o, n in slices),
+            base_digest=bases[probe],
+        )
+        delta_size = sum(map(len, codec.encode(sample, delta_hints)))
+        keyframe_size = sum(map(len, fallback.encode(sample, hints)))
+        return delta_size <= self.settings.rekey * min(keyframe_size, len(sample))
 
     def _first_new_chunk(self, target: TensorTarget, probes: int = 4) -> int | None:
         """A chunk worth trying codecs on: the first of a few that is not stored yet."""
