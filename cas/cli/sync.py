@@ -21,7 +21,7 @@ from cas.cli.app import (
 
 codec_option = click.option(
     "--codec", default="keep", show_default=True, metavar="NAME",
-    help="Re-encode copied chunks (zstd, raw, bytegroup-zstd, auto); keep copies them as stored.",
+    help="Re-encode copied chunks (raw, shuffle-zstd, shuffle-lz4, zstd, auto); keep copies them as stored.",
 )  # fmt: skip
 jobs_option = click.option(
     "-j", "--jobs", type=click.IntRange(1, 256), default=16, show_default=True,

@@ -1,8 +1,13 @@
-"""Chunk codecs by registered id (never reused): 0 raw, 1 zstd, 2 bytegroup-zstd, 3 xor-delta, 4 sub-delta."""
+"""Chunk codecs by registered id (never reused).
+
+0 raw, 1 zstd, 2 bytegroup-zstd, 3 xor-delta, 4 sub-delta (numpy byte planes); 5 shuffle-zstd,
+6 bitshuffle-zstd, 7 shuffle-lz4, 8 xor-shuffle-zstd, 9 sub-shuffle-zstd (C-Blosc2).
+"""
 
 from __future__ import annotations
 
 from cas.codecs.base import BaseFetcher, Codec, EncodeHints
+from cas.codecs.blosc import BloscCodec, BloscDeltaCodec
 from cas.codecs.bytegroup import ByteGroupCodec
 from cas.codecs.raw import RawCodec
 from cas.codecs.xor_delta import SubDeltaCodec, XorDeltaCodec
@@ -59,3 +64,8 @@ register(ZstdCodec())
 register(ByteGroupCodec())
 register(XorDeltaCodec())
 register(SubDeltaCodec())
+register(BloscCodec(5, "shuffle-zstd", "zstd", "shuffle"))
+register(BloscCodec(6, "bitshuffle-zstd", "zstd", "bitshuffle"))
+register(BloscCodec(7, "shuffle-lz4", "lz4", "shuffle"))
+register(BloscDeltaCodec(8, "xor-shuffle-zstd", XorDeltaCodec()))
+register(BloscDeltaCodec(9, "sub-shuffle-zstd", SubDeltaCodec()))

@@ -134,6 +134,10 @@ class ChainIndex:
         return chain
 
 
+KEYFRAME_MEMO = 1 << 20
+"""Chunk-to-keyframe entries a cache remembers (about 150 MB at most) before starting over."""
+
+
 class ChunkCache:
     """Decoded bytes of recently written or read chunks, bounded in bytes, least recently used out.
 
@@ -146,6 +150,21 @@ class ChunkCache:
         self._items: OrderedDict[Digest, bytes] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
+        self._keyframes: dict[Digest, Digest] = {}
+
+    def keyframe(self, digest: Digest) -> Digest | None:
+        """The keyframe a chunk this process wrote or resolved is encoded against (or itself)."""
+        with self._lock:
+            return self._keyframes.get(digest)
+
+    def note_keyframe(self, digest: Digest, keyframe: Digest) -> None:
+        """Remember ``digest``'s keyframe. A chunk rewritten standalone since leaves this stale,
+        which is harmless: the keyframe is standalone and still a valid base, and one swept
+        since fails the writer's refresh of its bases before any commit."""
+        with self._lock:
+            if len(self._keyframes) >= KEYFRAME_MEMO:
+                self._keyframes.clear()
+            self._keyframes[digest] = keyframe
 
     def get(self, digest: Digest) -> bytes | None:
         """The cached bytes, or None."""

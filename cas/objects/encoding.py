@@ -1,24 +1,30 @@
-"""How the write path encodes each tensor: codec choice by trial, deltas against a parent, chains.
+"""How the write path encodes each tensor: codec choice by trial, deltas against a keyframe, chains.
 
 With the store codec ``"auto"`` (or ``save(codec="auto")``), every tensor is encoded with the
 candidate that stores fewest bytes on its first chunk not stored yet: the whole chunk up to
 twice ``sample_bytes`` (its trial encoding is then kept), else four slices spread over it, so a
-choice costs a few milliseconds whatever the tensor's size. Candidates are ``zstd`` and
-``bytegroup-zstd``, plus ``xor-delta`` and ``sub-delta`` when the parent checkpoint has a tensor
-at the same path with the same dtype, shape and chunk layout; each chunk is then encoded against
-the parent's chunk at the same position. A compressed candidate must save ``min_saving`` of the
-raw bytes to beat ``raw`` (raw chunks of a local store are memory-mapped and read without
-decoding), and a candidate that is slower to decode (a delta decodes its base too) must save
-``decode_margin`` more than the best faster one.
+choice costs a few milliseconds whatever the tensor's size. Candidates are the C-Blosc2 codecs
+``shuffle-zstd`` and ``bitshuffle-zstd``, plus ``xor-shuffle-zstd`` and ``sub-shuffle-zstd``
+when the parent checkpoint has a tensor at the same path with the same dtype, shape and chunk
+layout. A compressed candidate must save ``min_saving`` of the raw bytes to beat ``raw`` (raw
+chunks of a local store are memory-mapped and read without decoding), and a candidate that is
+slower to decode (a delta decodes its base too) must save ``decode_margin`` more than the best
+faster one.
 
-Deltas chain: a chunk encoded against a base that is itself a delta has depth one more than its
-base. When the parent tensor already sits at ``max_depth`` the tensor is written standalone (a
-keyframe), so one load never decodes more than ``max_depth + 1`` chunks per chunk. Every tensor
-entry lists the transitive bases its chunks need (``cas.objects.chains``) and the writer refreshes them,
-so a concurrent GC sees them as in use.
+A delta's base is chosen by ``DeltaSettings.anchor``. With ``"keyframe"`` (the default) chunk
+``i`` is encoded against the keyframe the parent's chunk ``i`` was encoded against (or that
+chunk itself when it is a keyframe), so every chunk is a keyframe or one delta from one and the
+newest checkpoint, the one a resume loads, decodes at most two chunks per chunk. A delta that
+stores more than ``rekey`` of what a fresh keyframe would is not worth keeping the old keyframe
+for: the tensor is written standalone and becomes the next keyframe. With ``"parent"`` chunks
+chain against the parent's chunk, up to ``max_depth`` levels, then a keyframe. Every tensor
+entry lists the transitive bases its chunks need (``cas.objects.chains``) and the writer
+refreshes them, so a concurrent GC sees them as in use.
 
-A named codec (``"raw"``, ``"zstd"``, ``"bytegroup-zstd"``) is used for every chunk; a named delta
-codec is used wherever a parent tensor matches, ``bytegroup-zstd`` elsewhere.
+A named codec (``"raw"``, ``"shuffle-zstd"``, ``"shuffle-lz4"``...) is used for every chunk; a
+named delta codec is used wherever a parent tensor matches (against a keyframe, while it stores
+under ``rekey`` of a fresh one), and elsewhere ``shuffle-zstd`` (or ``bytegroup-zstd`` for the
+numpy delta codecs, whose stores keep their older family).
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from cas.objects.chains import STANDALONE, Chain, ChainIndex, ChunkCache, encodi
 from cas.objects.chunking import Cut
 from cas.objects.chunkio import Progress, WriteStats
 from cas.objects.private import Encoding, private_view
-from cas.objects.store import ObjectStore, chunk_key
+from cas.objects.store import MAX_DELTA_DEPTH, ObjectStore, chunk_key
 
 AUTO = "auto"
+KEYFRAME = "keyframe"
+PARENT = "parent"
 DELTA_SECTION = "delta"
 """The ``StoreConfig.extra`` section holding ``DeltaSettings``."""
 
@@ -49,9 +57,16 @@ class DeltaSettings:
     """Write-path encoding knobs, stored in ``StoreConfig.extra["delta"]``."""
 
     max_depth: int = 4
-    """Longest delta chain; 0 turns deltas off. Loading a chunk decodes its whole chain, and on
-    AdamW checkpoints of a small GPT 50 steps apart depth 4 stored as little as depth 8 (0.780
-    vs 0.780 of raw; 0.796 at depth 1), so 4 halves the worst-case load work for nothing."""
+    """Longest delta chain with ``anchor="parent"``; 0 turns deltas off in either mode. Loading
+    a chunk decodes its whole chain, and on AdamW checkpoints of a small GPT 50 steps apart depth
+    4 stored as little as depth 8 (0.780 vs 0.780 of raw; 0.796 at depth 1)."""
+    anchor: str = KEYFRAME
+    """``"keyframe"``: deltas against the parent's keyframe, so chains are one delta deep and
+    the newest checkpoint loads fast; ``"parent"``: deltas against the parent, chains up to
+    ``max_depth`` (a little smaller, slower to load the further down the chain)."""
+    rekey: float = 0.9
+    """With ``anchor="keyframe"``, a delta storing more than this fraction of a fresh keyframe's
+    bytes starts a new keyframe instead (see docs/codecs.md for the measured trade-off)."""
     sample_bytes: int = 256 << 10
     min_saving: float = 0.03
     """A compressed encoding must store this fraction less than raw to be chosen."""
@@ -75,15 +90,17 @@ class DeltaSettings:
         if unknown:
             raise FormatError(f"unknown {DELTA_SECTION!r} settings: {', '.join(sorted(unknown))}")
         settings = cls(**section)
-        numbers = [getattr(settings, name) for name in known]
+        if settings.anchor not in (KEYFRAME, PARENT):
+            raise FormatError(f"delta anchor {settings.anchor!r} is not 'keyframe' or 'parent'")
+        numbers = [getattr(settings, name) for name in known - {"anchor"}]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
             raise FormatError(f"{DELTA_SECTION!r} settings must be numbers")
         if not 0 <= settings.max_depth <= 32:
             raise FormatError(f"delta max_depth {settings.max_depth} outside [0, 32]")
         if not 4096 <= settings.sample_bytes <= 64 << 20 or not 0 <= settings.min_saving < 1:
             raise FormatError("delta sample_bytes or min_saving out of range")
-        if not 0 <= settings.decode_margin < 1:
-            raise FormatError("delta decode_margin out of range")
+        if not 0 <= settings.decode_margin < 1 or not 0 < settings.rekey <= 1:
+            raise FormatError("delta decode_margin or rekey out of range")
         if not -7 <= settings.level <= 22:
             raise FormatError(f"delta level {settings.level} outside [-7, 22]")
         if settings.cache_bytes < 0:
@@ -118,16 +135,17 @@ class Choice:
 
 
 def candidates(dtype: str, elem: int, with_base: bool) -> list[Codec]:
-    """Codecs worth trying, cheapest to decode first: byte planes for multi-byte elements (plain
-    zstd before them for integers), then the deltas (which decode their base too)."""
-    floating = dtype.startswith(("float", "bfloat", "complex"))
-    out = [codec_by_name("zstd")] if elem == 1 or not floating else []
-    if elem > 1:
-        out.append(codec_by_name("bytegroup-zstd"))
+    """Codecs worth trying, cheapest to decode first: byte shuffle, bit shuffle for 1-byte and
+    integer elements (it packs booleans and small integers tighter; on float tensors it stored
+    3% more than byte shuffle, so its trial is skipped there), then the deltas (which decode
+    their base too)."""
+    out = [codec_by_name("shuffle-zstd")]
+    if elem == 1 or not dtype.startswith(("float", "bfloat", "complex")):
+        out.append(codec_by_name("bitshuffle-zstd"))
     if with_base:
-        out.append(codec_by_name("xor-delta"))
+        out.append(codec_by_name("xor-shuffle-zstd"))
         if elem in (1, 2, 4, 8):
-            out.append(codec_by_name("sub-delta"))
+            out.append(codec_by_name("sub-shuffle-zstd"))
     return out
 
 
@@ -156,6 +174,7 @@ def choose_codec(
         hints = replace(hints, base=base_sample, base_digest=base_digest)
     best = Choice(codec_by_name("raw"))
     best_size = len(sample) * (1 - settings.min_saving)
+    standalone, standalone_size = best, best_size
     for codec in candidates(dtype, elem, base is not None):
         encoded = codec.encode(sample, hints)
         size = len(encoded[0]) + len(encoded[1])
@@ -164,16 +183,22 @@ def choose_codec(
         if size < best_size - margin:
             ahead = Encoding(chunk, codec, *encoded) if whole and isinstance(chunk, bytes) else None
             best, best_size = Choice(codec, ahead), size
+            if not codec.needs_base:
+                standalone, standalone_size = best, best_size
+    # Far from its keyframe a delta saves little; a new keyframe makes the next ones small.
+    rekey = settings.anchor == KEYFRAME and best.codec.needs_base
+    if rekey and best_size > settings.rekey * min(standalone_size, len(sample)):
+        return standalone
     return best
 
 
 def standalone_codec(name: str, elem: int) -> Codec:
     """The codec a tensor with no usable base is written with, for a store/save codec name."""
     if name == AUTO:
-        return codec_by_name("bytegroup-zstd" if elem > 1 else "zstd")
+        return codec_by_name("shuffle-zstd")
     codec = codec_by_name(name)
     if codec.needs_base:
-        return codec_by_name("bytegroup-zstd")
+        return codec_by_name("bytegroup-zstd" if codec.codec_id < 5 else "shuffle-zstd")
     return codec
 
 
@@ -313,10 +338,15 @@ class TensorWriter:
         elem = group_size(target.dtype, target.elem_size)
         fallback = standalone_codec(self.codec_name, elem)
         bases = self._delta_bases(target)
-        if bases and not self._fits_depth(bases[0]):
+        if bases and self.settings.anchor == PARENT and not self._fits_depth(bases[0]):
             bases = ()
+        if bases and self.settings.anchor == KEYFRAME:
+            bases = self._keyframes(bases)
         if self.codec_name != AUTO:
-            codec = codec_by_name(self.codec_name) if bases else fallback
+            codec = codec_by_name(self.codec_name)
+            if bases and codec.needs_base and self.settings.anchor == KEYFRAME:
+                bases = bases if self._keyframe_pays(target, bases, codec, fallback, elem) else ()
+            codec = codec if bases else fallback
             return _Plan(codec, fallback, elem, bases if codec.needs_base else ())
         probe = self._first_new_chunk(target)
         if probe is None:
@@ -330,6 +360,34 @@ class TensorWriter:
         delta = choice.codec.needs_base
         encoded = (probe, choice.encoded) if choice.encoded is not None else None
         return _Plan(choice.codec, fallback, elem, bases if delta else (), encoded)
+
+    def _keyframe_pays(
+        self,
+        target: TensorTarget,
+        bases: tuple[Digest, ...],
+        codec: Codec,
+        fallback: Codec,
+        elem: int,
+    ) -> bool:
+        """Whether a named delta codec still stores under ``rekey`` of a fresh keyframe against
+        these keyframes (on a sample of the first new chunk), as ``auto`` asks of its deltas."""
+        probe = self._first_new_chunk(target)
+        base = self._base_bytes(bases[probe]) if probe is not None else None
+        if probe is None or base is None:
+            return probe is None  # all stored already: nothing is encoded either way
+        data = memoryview(target.chunk(probe))
+        slices = sample_of(data, elem, self.settings.sample_bytes)
+        sample = memoryview(b"".join(data[o : o + n] for o, n in slices))
+        base_view = memoryview(base)
+        hints = EncodeHints(elem_size=elem, level=self.level)
+        delta_hints = replace(
+            hints,
+            base=b"".join(base_view[o : o + n] for o, n in slices),
+            base_digest=bases[probe],
+        )
+        delta_size = sum(map(len, codec.encode(sample, delta_hints)))
+        keyframe_size = sum(map(len, fallback.encode(sample, hints)))
+        return delta_size <= self.settings.rekey * min(keyframe_size, len(sample))
 
     def _first_new_chunk(self, target: TensorTarget, probes: int = 4) -> int | None:
         """A chunk worth trying codecs on: the first of a few that is not stored yet."""
@@ -347,6 +405,36 @@ class TensorWriter:
         if [c.size for c in parent.chunks] != [c.size for c in target.cuts]:
             return ()
         return tuple(c.digest for c in parent.chunks)
+
+    def _keyframes(self, chunks: tuple[Digest, ...]) -> tuple[Digest, ...]:
+        """The keyframe each chunk was encoded against (itself when standalone); none at all
+        when one cannot be found (a broken or hostile chain: the tensor becomes a keyframe)."""
+        found = []
+        for chunk in chunks:
+            keyframe = self._keyframe_of(chunk)
+            if keyframe is None:
+                return ()
+            found.append(keyframe)
+        return tuple(found)
+
+    def _keyframe_of(self, chunk: Digest) -> Digest | None:
+        known = self.cache.keyframe(chunk)
+        if known is not None:
+            return known
+        try:
+            chain = self.chains.chain_of(chunk)
+            if chain.depth == 0 and not chain.bases:
+                return chunk  # listed by a tensor entry without bases: standalone
+            current = chunk
+            for _ in range(MAX_DELTA_DEPTH + 1):
+                base = self.objects.chunk_base(current)
+                if base is None:
+                    self.cache.note_keyframe(chunk, current)
+                    return current
+                current = base
+        except CASError:
+            pass
+        return None
 
     def _fits_depth(self, base: Digest) -> bool:
         try:
@@ -401,18 +489,24 @@ class TensorWriter:
         self.chains.learn(result.digest, chain)
         if self._deltas and isinstance(chunk, bytes):
             self.cache.put(result.digest, chunk)
+        if chain.depth <= 1 and len(chain.bases) <= 1:
+            # The keyframe the next save of this tensor encodes against, without a header read.
+            self.cache.note_keyframe(result.digest, min(chain.bases, default=result.digest))
         self.stats.add(result)
         if self.progress is not None:
             self.progress(result.size)
         return ChunkRef(result.digest, result.size), chain
 
     def _delta_hints(self, base: Digest, hints: EncodeHints) -> tuple[EncodeHints, Chain] | None:
-        try:
-            base_chain = self.chains.chain_of(base)
-        except CASError:
-            return None
-        if base_chain.depth >= self.settings.max_depth:
-            return None
+        if self.settings.anchor == KEYFRAME:
+            base_chain = STANDALONE  # found standalone by its header (``_keyframe_of``)
+        else:
+            try:
+                base_chain = self.chains.chain_of(base)
+            except CASError:
+                return None
+            if base_chain.depth >= self.settings.max_depth:
+                return None
         data = self._base_bytes(base)
         if data is None:
             return None

@@ -7,8 +7,10 @@ and manifests stay valid in both stores. The transfer layer calls ``recode_chunk
 - ``"keep"``: copy the stored object as it is (after decoding and verifying it at the source). A
   delta chunk keeps its base, so the base is copied first (recursively) when the destination
   lacks it; the manifest that names the chunk already lists those bases for GC.
-- ``"raw"``, ``"zstd"``, ``"bytegroup-zstd"``: decode at the source (verified) and encode anew.
-  ``"auto"`` picks the smallest of those on a sample, as the write path does without a parent.
+- a standalone codec (``"raw"``, ``"shuffle-zstd"``, ``"shuffle-lz4"``, ``"zstd"``...): decode
+  at the source (verified) and encode anew. ``"auto"`` picks the smallest of the shuffle codecs
+  on a sample, as the write path does without a parent; ``push --codec auto`` from a store of
+  the older numpy codecs therefore moves it to the C-Blosc2 ones.
 - Delta codecs are refused: choosing a base is the writer's job (``cas.objects.encoding``).
 
 A chunk the destination already holds is refreshed, not rewritten, and copies are create-only:

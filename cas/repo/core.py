@@ -145,7 +145,7 @@ class RepositoryCore(RefOperations):
         """The codec to write with: ``name``, else the store's default.
 
         ``"auto"`` and the delta codecs choose per tensor in ``save``/``put_path``; writers that
-        write opaque chunks get ``bytegroup-zstd`` for them.
+        write opaque chunks get ``shuffle-zstd`` for them (``bytegroup-zstd`` for the numpy deltas).
         """
         return standalone_codec(name or self.config.codec, 2)
 
