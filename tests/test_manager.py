@@ -773,6 +773,7 @@ def test_training_code_that_changed_its_state_layout_resumes_older_checkpoints_s
         old.save(5, {"weights": {"fc": weight}, "lr": 0.1}).result()
     with manager(repo, schema_version=1) as v1:
         v1.save(10, {"weights": {"fc": weight}, "lr": 0.05}).result()
+        v1.promote_gate("bc_best")
     assert repo.manifest("runs/r1/latest").meta["schema_version"] == 1
 
     calls: list[str] = []
@@ -792,6 +793,8 @@ def test_training_code_that_changed_its_state_layout_resumes_older_checkpoints_s
         assert restored.step == 10 and calls == ["1->2"]
         assert torch.equal(restored.state["model"]["fc"], weight)
         assert restored.state["optimizer"] == {"lr": 0.05}
+        gate = v2.load_gate("bc_best", template=template)  # a phase transition's strict load
+        assert calls == ["1->2", "1->2"] and gate["optimizer"] == {"lr": 0.05}
         v2.save(20, restored.state).result()
     assert repo.manifest("runs/r1/latest").meta["schema_version"] == 2
 

@@ -190,3 +190,16 @@ def test_a_policy_change_on_an_old_store_keeps_its_version(tmp_path: Path) -> No
     repo = cas.open(store)
     repo.update_config("notes", {"owner": "team"})
     assert json.loads((store / "config").read_text())["version"] == 1
+
+
+def test_a_process_that_opened_the_store_before_migrate_does_not_move_it_back(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store"
+    cas.open(store)
+    write_v1_config(cas.open(store).blobs)
+    trainer = cas.open(store)  # a long-running process, opened at version 1
+    migrate(cas.open(store))
+    trainer.update_config("notes", {"owner": "team"})  # e.g. a retention policy it stores
+    stored = json.loads((store / "config").read_text())
+    assert stored["version"] == STORE_VERSION and stored["extra"]["notes"] == {"owner": "team"}

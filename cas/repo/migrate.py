@@ -93,7 +93,8 @@ def migrate(repo: Repository, *, dry_run: bool = False) -> MigrationReport:
                 action.run()
                 repo.maintenance.refresh_lock()
             repo.blobs.sync()  # everything the step wrote is durable before the version moves
-            config = replace(config, version=step.version + 1)
+            # Read again: a policy change made while the step ran must not be lost.
+            config = replace(_current_config(repo), version=step.version + 1)
             write_config(repo.blobs, config)
             repo.config = config
             report.to_version = config.version
