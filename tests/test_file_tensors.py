@@ -126,3 +126,25 @@ def test_cas_diff_of_two_safetensors_checkpoints_reports_a_retyped_tensor(tmp_pa
     assert {r["path"]: r["change"] for r in rows if r["kind"] == "tensor"} == {
         "model.safetensors:fc.weight": "retyped"
     }
+
+
+def test_a_safetensors_file_written_through_cas_urls_lists_its_small_tensors_like_cas_put(
+    tmp_path: Path,
+) -> None:
+    import fsspec
+    from safetensors.torch import save
+
+    store = stored(tmp_path)
+    repo = cas.open(store)
+    data = save(weights(0))
+    with fsspec.open("cas://hf/streamed/model.safetensors", "wb", repo=repo) as f:
+        for start in range(0, len(data), 1000):  # arrives in pieces, as a writer sends it
+            f.write(data[start : start + 1000])
+    (tmp_path / "model.safetensors").write_bytes(data)
+    repo.put_path(tmp_path / "model.safetensors", "hf/put")
+
+    streamed = cas_json(store, "show", "hf/streamed")["tensors"]
+    put = cas_json(store, "show", "hf/put")["tensors"]
+    assert sorted(t["path"] for t in streamed) == sorted(t["path"] for t in put)
+    assert len(streamed) == 3
+    assert cas_json(store, "diff", "hf/streamed", "hf/put") == []
