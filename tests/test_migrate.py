@@ -159,6 +159,10 @@ def test_cas_migrate_on_a_local_store_plans_with_dry_run_then_verify_full_passes
     assert code == 0, out
     assert "rewrite training-history log 'runs/a/history'" in out
     assert "would move the store from version 1 to 2" in out
+    code, out = cas_cli(store, "migrate", "--dry-run", "--json")
+    planned = json.loads(out)
+    assert (planned["from_version"], planned["to_version"], planned["dry_run"]) == (1, 2, True)
+    assert len(planned["steps"][0]["actions"]) == 3  # history, pool list, JSON-lines log
     assert json.loads((store / "config").read_text())["version"] == 1  # a dry run changes nothing
 
     code, out = cas_cli(store, "migrate")
@@ -203,3 +207,31 @@ def test_a_process_that_opened_the_store_before_migrate_does_not_move_it_back(
     trainer.update_config("notes", {"owner": "team"})  # e.g. a retention policy it stores
     stored = json.loads((store / "config").read_text())
     assert stored["version"] == STORE_VERSION and stored["extra"]["notes"] == {"owner": "team"}
+
+
+def test_a_migration_killed_between_copying_a_long_ref_and_deleting_its_old_key_is_finished(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock(utc("2026-04-01 00:00"))
+    blobs = MemoryBlobStore(clock)
+    old = Repository(blobs, StoreConfig(chunk_size=4096, inline_max=64), clock=clock)
+    state = build_v1_store(old, long_name=True)
+    name = cas.names.parse_ref_name(LONG)
+    old_key = legacy_key(name)
+    real_delete = MemoryBlobStore.delete_conditional
+
+    def killed(self: MemoryBlobStore, key: str, expected: Any) -> None:
+        if key == old_key:
+            raise KeyboardInterrupt  # the new key is written, the old one still there
+        real_delete(self, key, expected)
+
+    monkeypatch.setattr(MemoryBlobStore, "delete_conditional", killed)
+    with pytest.raises(KeyboardInterrupt):
+        migrate(reopened(blobs, clock))
+    monkeypatch.undo()
+    assert {ref_key(name), old_key} <= set(blobs.list("refs/"))  # both keys: the new one wins
+    assert [n for n in reopened(blobs, clock).refs_store.names() if n == LONG] == [LONG]
+
+    migrate(reopened(blobs, clock))
+    assert old_key not in set(blobs.list("refs/"))
+    assert_everything_reads(reopened(blobs, clock), state)
