@@ -235,3 +235,22 @@ def test_a_migration_killed_between_copying_a_long_ref_and_deleting_its_old_key_
     migrate(reopened(blobs, clock))
     assert old_key not in set(blobs.list("refs/"))
     assert_everything_reads(reopened(blobs, clock), state)
+
+
+def test_a_store_at_the_current_version_is_read_without_looking_for_older_layouts() -> None:
+    clock = FakeClock(utc("2026-04-01 00:00"))
+    blobs = MemoryBlobStore(clock)
+    repo = Repository(blobs, StoreConfig(chunk_size=4096, inline_max=64), clock=clock)
+    append_evictions(repo.refs_store, "pool", APRIL)
+    listed: list[str] = []
+    real_list = MemoryBlobStore.list
+
+    def counting(self: MemoryBlobStore, prefix: str = "") -> Any:
+        listed.append(prefix)
+        return real_list(self, prefix)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MemoryBlobStore, "list", counting)
+        assert repo.eviction_log("pool") == APRIL
+        assert repo.eviction_logs() == ["pool"]
+    assert not [p for p in listed if p.startswith("state/eviction-log/")]

@@ -147,7 +147,7 @@ class AppendLog:
         yield from reversed(self._before(head))
 
     def _before(self, head: LogHead) -> list[LogRecord]:
-        if self.legacy_jsonl is None or head.absorbed:
+        if self.legacy_jsonl is None or head.absorbed or not self.refs.legacy_layouts:
             return []
         return list(legacy_logs.jsonl_records(self.refs.blobs, self.legacy_jsonl))
 
@@ -403,4 +403,4 @@ def _batches(records: Sequence[LogRecord]) -> Iterator[Sequence[LogRecord]]:
 
 def legacy_jsonl_names(refs: RefStore) -> set[str]:
     """Names of the eviction logs still kept (also) in the JSON-lines layout."""
-    return legacy_logs.jsonl_names(refs.blobs)
+    return legacy_logs.jsonl_names(refs.blobs) if refs.legacy_layouts else set()

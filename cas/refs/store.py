@@ -145,10 +145,16 @@ class RefStore:
         blobs: BlobStore,
         clock: Callable[[], float] = time.time,
         leases: LeaseManager | None = None,
+        *,
+        legacy_layouts: bool = True,
     ) -> None:
         self.blobs = blobs
         self.clock = clock
         self.leases = leases
+        self.legacy_layouts = legacy_layouts
+        """Whether the store may hold layouts an older cas wrote (a store of format version 1):
+        only then is a missing long name looked up at its old key, or an eviction log's JSON
+        lines listed."""
         self.objects = ObjectStore(blobs)
         self._decoded: dict[RefName, RefRecord] = {}
         """The last record read or written per ref, reused while the blob's version is the same:
@@ -166,7 +172,7 @@ class RefStore:
         try:
             data, version = self.blobs.get_versioned(key)
         except NotFound:
-            record = self._get_legacy(ref)
+            record = self._get_legacy(ref) if self.legacy_layouts else None
             if record is None:
                 self._decoded.pop(ref, None)
                 raise NotFound(f"no ref named {ref!r}") from None

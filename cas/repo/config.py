@@ -15,6 +15,9 @@ STORE_FORMAT = "cas-store"
 STORE_VERSION = 2
 """Version 2 is version 1 with no older layout left in it (``cas.repo.migrate``); ``cas`` reads
 both and creates version 2."""
+CLEAN_VERSION = 2
+"""From this version on a store holds none of the layouts an older cas wrote, so readers do not
+look for them."""
 MAX_CHUNK_SIZE = 64 << 20
 
 
