@@ -30,6 +30,7 @@ from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.objects.store import chunk_key
 from cas.refs.log import AppendLog, LogRecord, LogSegment
 from cas.refs.store import RefStore
+from cas.repo.config import StoreConfig
 from cas.retention.evictions import append_evictions
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.testing.races import RaceBlobStore
@@ -247,7 +248,9 @@ def test_an_old_pool_eviction_list_is_read_and_continued(tmp_path: Path) -> None
 
 def test_json_lines_eviction_logs_are_read_before_the_new_log(tmp_path: Path) -> None:
     clock = FakeClock(utc("2026-04-01 00:00"))
-    repo = local_repo(tmp_path, clock)
+    # Only a store of format version 1 (not yet `cas migrate`d) may hold JSON-lines logs.
+    config = StoreConfig(chunk_size=4096, inline_max=64, version=1)
+    repo = cas.open(tmp_path, config=config, clock=clock, fsync=False)
     march = [{"ref": f"pool/m{i}", "manifest": f"{i}" * 64, "reason": "old"} for i in range(3)]
     repo.blobs.put(
         "state/eviction-log/pool/2026-03.jsonl",

@@ -760,3 +760,59 @@ def test_resume_refuses_a_checkpoint_saved_for_other_input_data(
     assert told.step == 5
     assert manager(repo, system_hash=inputs_v2).restore("warm_start").step == 5
     assert manager(repo).restore("resume").step == 5  # a run without a system hash checks none
+
+
+def test_training_code_that_changed_its_state_layout_resumes_older_checkpoints_step_by_step(
+    repo: cas.Repository,
+) -> None:
+    from cas.training.manager import SchemaMismatch
+
+    weight = torch.randn(4, 4)
+    # Version 1 of the training code: a flat state.
+    with manager(repo) as old:  # before the code had a schema version at all
+        old.save(5, {"weights": {"fc": weight}, "lr": 0.1}).result()
+    with manager(repo, schema_version=1) as v1:
+        v1.save(10, {"weights": {"fc": weight}, "lr": 0.05}).result()
+        v1.promote_gate("bc_best")
+    assert repo.manifest("runs/r1/latest").meta["schema_version"] == 1
+
+    calls: list[str] = []
+
+    def v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:
+        calls.append("1->2")
+        return {"model": state["weights"], "optimizer": {"lr": state["lr"]}}
+
+    def v2_to_v3(state: dict[str, Any]) -> dict[str, Any]:
+        calls.append("2->3")
+        return {**state, "ema": {k: v.clone() for k, v in state["model"].items()}}
+
+    # Version 2 resumes the version-1 checkpoint through its migration, then saves version 2.
+    template = {"model": {"fc": weight}, "optimizer": {"lr": 0.0}}
+    with manager(repo, schema_version=2, migrations={1: v1_to_v2}) as v2:
+        restored = v2.restore("resume", template=template)
+        assert restored.step == 10 and calls == ["1->2"]
+        assert torch.equal(restored.state["model"]["fc"], weight)
+        assert restored.state["optimizer"] == {"lr": 0.05}
+        gate = v2.load_gate("bc_best", template=template)  # a phase transition's strict load
+        assert calls == ["1->2", "1->2"] and gate["optimizer"] == {"lr": 0.05}
+        v2.save(20, restored.state).result()
+    assert repo.manifest("runs/r1/latest").meta["schema_version"] == 2
+
+    # Version 3 brings an unversioned checkpoint (taken as version 1) up one step at a time.
+    calls.clear()
+    v3 = manager(repo, schema_version=3, migrations={1: v1_to_v2, 2: v2_to_v3})
+    oldest = v3.restore("warm_start", source="runs/r1/phase1/ckpt_phase1_step00000005")
+    assert calls == ["1->2", "2->3"] and torch.equal(oldest.state["ema"]["fc"], weight)
+    assert oldest.state["optimizer"] == {"lr": 0.1}
+
+    # Version 1 of the code meets a checkpoint of version 2: refused in every mode, and never
+    # skipped for the older version-1 checkpoint before it.
+    for mode in ("resume", "warm_start", "auto"):
+        with pytest.raises(SchemaMismatch, match="schema version 2, newer than this code's 1"):
+            manager(repo, schema_version=1).restore(mode)
+    with pytest.raises(SchemaMismatch, match="no migration from version 1 to 2"):
+        manager(repo, schema_version=2).restore(
+            "resume", source="runs/r1/phase1/ckpt_phase1_step00000010"
+        )
+    with pytest.raises(ValueError, match="manager's own"):
+        manager(repo).save(30, {}, metadata={"schema_version": 9})

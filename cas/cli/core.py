@@ -374,19 +374,24 @@ def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
 @cli.command()
 @ref_argument("a")
 @ref_argument("b")
+@click.option("-a", "--all", "show_all", is_flag=True, help="List unchanged entries too (=).")
 @json_option
 @pass_ctx
-def diff(obj: Context, a: str, b: str, as_json: bool) -> None:
-    """Entries that differ between checkpoints A and B (compared by chunk digests)."""
+def diff(obj: Context, a: str, b: str, show_all: bool, as_json: bool) -> None:
+    """Entries that differ between checkpoints A and B (compared by chunk digests).
+
+    The tensors inside ingested .pt and .safetensors files are compared one by one
+    (FILE:TENSOR); two single ingested files are compared whatever their names.
+    """
     repo = obj.open(create=False, readonly=True)
-    changes = repo.diff(a, b)
+    changes = repo.diff(a, b, same=show_all)
     if as_json:
         emit_json([c.__dict__ for c in changes])
         return
-    marks = {"added": "+", "removed": "-", "changed": "M", "retyped": "T"}
+    marks = {"added": "+", "removed": "-", "changed": "M", "retyped": "T", "same": "="}
     for c in changes:
         click.echo(f"{marks[c.change]} {c.path}")
-    if not changes:
+    if not any(c.change != "same" for c in changes):
         click.echo("no differences")
 
 

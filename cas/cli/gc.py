@@ -1,4 +1,5 @@
-"""Garbage collection and space commands: gc, du, stats, leases, unlock."""
+"""Garbage collection, space and store maintenance commands: gc, du, stats, leases, unlock,
+migrate."""
 
 from __future__ import annotations
 
@@ -245,3 +246,32 @@ def unlock(obj: Context, yes: bool, as_json: bool) -> None:
         emit_json({"removed": removed})
         return
     click.echo("lock removed" if removed else "there was no lock")
+
+
+@cli.command()
+@click.option("-n", "--dry-run", is_flag=True, help="Print what would change; change nothing.")
+@json_option
+@pass_ctx
+def migrate(obj: Context, dry_run: bool, as_json: bool) -> None:
+    """Move the store to the format version of this cas, one step per version.
+
+    Safe to rerun: a migration that was interrupted carries on where it stopped.
+    """
+    from cas.repo.migrate import migrate as run_migration
+
+    repo = obj.open(create=False)
+    report = run_migration(repo, dry_run=dry_run)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    if not report.steps:
+        click.echo(f"store is at format version {report.from_version}, nothing to do")
+        return
+    for step, actions in report.steps:
+        click.echo(f"version {step.version} -> {step.version + 1}: {step.title}")
+        for action in actions:
+            click.echo(f"  {action}")
+        if not actions:
+            click.echo("  (no older layouts found; only the version changes)")
+    verb = "would move" if dry_run else "moved"
+    click.echo(f"{verb} the store from version {report.from_version} to {report.to_version}")

@@ -29,8 +29,11 @@ class DiffEntry:
 
     path: str
     change: str
-    """``added``, ``removed``, ``changed`` (bytes), ``retyped`` (dtype or shape)."""
+    """``added``, ``removed``, ``changed`` (bytes), ``retyped`` (dtype or shape), or ``same``
+    (listed only when asked for)."""
     nbytes: int
+    kind: str = "tensor"
+    """``tensor`` (a saved tensor or one inside an ingested file), ``file`` or ``value``."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,10 @@ class _Comparable:
     shape: tuple[int, ...]
     nbytes: int
     identity: Any
+    kind: str = "tensor"
 
 
-def _digest_table(manifest: Manifest) -> list[_Comparable]:
+def _digest_table(manifest: Manifest, rename: dict[str, str] | None = None) -> list[_Comparable]:
     rows = []
     if manifest.kind == "state":
         for path, index in iter_tensor_paths(manifest.tree):
@@ -53,12 +57,22 @@ def _digest_table(manifest: Manifest) -> list[_Comparable]:
                 )
             )
         for path, value in _value_leaves(manifest.tree, ""):
-            rows.append(_Comparable(path, "value", (), 0, repr(value)))
-    for path, entry in manifest.files.items():
-        rows.append(
-            _Comparable(path, entry.format, (), entry.size, tuple(c.digest for c in entry.chunks))
-        )
+            rows.append(_Comparable(path, "value", (), 0, repr(value), "value"))
+    for name, entry in manifest.files.items():
+        path = (rename or {}).get(name, name)
+        digests = tuple(c.digest for c in entry.chunks)
+        rows.append(_Comparable(path, entry.format, (), entry.size, digests, "file"))
+        for region in entry.regions:
+            t = manifest.tensors[region.tensor_index]
+            identity = t.inline if t.inline is not None else tuple(c.digest for c in t.chunks)
+            rows.append(_Comparable(f"{path}:{region.name}", t.dtype, t.shape, t.nbytes, identity))
     return rows
+
+
+def _single_file(manifest: Manifest) -> str | None:
+    """The file name of a single ingested file (``cas put model.pt``), else None."""
+    single = manifest.kind == "files" and manifest.meta.get("source") == "file"
+    return next(iter(manifest.files)) if single and len(manifest.files) == 1 else None
 
 
 def _value_leaves(node: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -86,20 +100,32 @@ def tensor_table(manifest: Manifest) -> list[TensorInfo]:
     return rows
 
 
-def diff_manifests(left_manifest: Manifest, right_manifest: Manifest) -> list[DiffEntry]:
-    """Paths that differ between two manifests, compared by chunk digests and values."""
-    left = {t.path: t for t in _digest_table(left_manifest)}
+def diff_manifests(
+    left_manifest: Manifest, right_manifest: Manifest, *, same: bool = False
+) -> list[DiffEntry]:
+    """Paths that differ between two manifests, compared by chunk digests and values; ``same``
+    lists the unchanged ones too.
+
+    The tensors inside ingested files are compared one by one, as ``<file>:<tensor>``; two
+    single ingested files are compared with each other whatever their names (``a.pt`` against
+    ``b.pt``), under the second one's name.
+    """
+    left_file, right_file = _single_file(left_manifest), _single_file(right_manifest)
+    rename = {left_file: right_file} if left_file and right_file else None
+    left = {t.path: t for t in _digest_table(left_manifest, rename)}
     right = {t.path: t for t in _digest_table(right_manifest)}
     out = []
     for path in sorted(left.keys() | right.keys()):
         x, y = left.get(path), right.get(path)
         if x is None and y is not None:
-            out.append(DiffEntry(path, "added", y.nbytes))
+            out.append(DiffEntry(path, "added", y.nbytes, y.kind))
         elif y is None and x is not None:
-            out.append(DiffEntry(path, "removed", x.nbytes))
+            out.append(DiffEntry(path, "removed", x.nbytes, x.kind))
         elif x is not None and y is not None:
             if (x.dtype, x.shape) != (y.dtype, y.shape):
-                out.append(DiffEntry(path, "retyped", y.nbytes))
+                out.append(DiffEntry(path, "retyped", y.nbytes, y.kind))
             elif x.identity != y.identity:
-                out.append(DiffEntry(path, "changed", y.nbytes))
+                out.append(DiffEntry(path, "changed", y.nbytes, y.kind))
+            elif same:
+                out.append(DiffEntry(path, "same", y.nbytes, y.kind))
     return out

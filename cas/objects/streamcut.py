@@ -247,6 +247,10 @@ class StreamCutter:
         self.size = 0
         self.regions: list[StreamRegion] = []
         """Regions that were cut as regions, in stream order (for the manifest)."""
+        self.small: list[tuple[TensorRegion, bytearray]] = []
+        """Named tensors of at most ``inline_max`` bytes, left in the gap, with their bytes as
+        they went by (for the manifest, inline)."""
+        self._open_small: list[tuple[TensorRegion, bytearray]] = []
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append bytes to the stream."""
@@ -267,12 +271,29 @@ class StreamCutter:
         """Named tensors that were cut as whole regions (none if the file was truncated)."""
         return [r.tensor for r in self.regions if r.tensor is not None and r.end == r.tensor.end]
 
+    def complete_small_tensors(self) -> list[tuple[TensorRegion, bytes]]:
+        """Small named tensors whose bytes all went by, with those bytes."""
+        return [(t, bytes(data)) for t, data in self.small if len(data) == t.nbytes]
+
     def _view(self, start: int, end: int) -> bytes:
         return bytes(self._buf[start - self._buf_start : end - self._buf_start])
 
     def _cut(self, start: int, end: int, region: StreamRegion | None) -> None:
         self._emit(Cut(start, end - start), self._view(start, end), region)
+        if region is None and self._open_small:
+            self._copy_small(start, end)
         self._pos = end
+
+    def _copy_small(self, start: int, end: int) -> None:
+        """Keep the bytes of small named tensors that lie in the gap cut ``[start, end)``."""
+        still_open = []
+        for tensor, data in self._open_small:
+            lo, hi = max(start, tensor.offset + len(data)), min(end, tensor.end)
+            if lo < hi:
+                data += self._view(lo, hi)
+            if len(data) < tensor.nbytes:
+                still_open.append((tensor, data))
+        self._open_small = still_open
 
     def _cut_gap(self, limit: int, complete: bool) -> None:
         cuts = cdc_cuts(
@@ -296,6 +317,11 @@ class StreamCutter:
                 and (region.end - region.start <= self._inline_max)
             ):
                 regions.popleft()  # small regions stay in the gap, as put_path leaves them
+                if region.tensor is not None and region.end == region.tensor.end:
+                    kept = (region.tensor, bytearray())
+                    self.small.append(kept)
+                    if region.tensor.nbytes:
+                        self._open_small.append(kept)
                 continue
             if region is not None and region.start <= self._pos:
                 if not self._cut_region(region, final):

@@ -97,6 +97,19 @@ def jsonl_names(blobs: BlobStore) -> set[str]:
     return {key[len(JSONL_PREFIX) :].split("/", 1)[0] for key in blobs.list(JSONL_PREFIX)}
 
 
+def delete_jsonl(blobs: BlobStore, name: str) -> int:
+    """Delete the old-layout eviction log ``name`` (once a log holds its records); return how
+    many blobs went."""
+    deleted = 0
+    for key in sorted(blobs.list(f"{JSONL_PREFIX}{name}/")):
+        try:
+            blobs.delete(key)
+        except NotFound:
+            continue
+        deleted += 1
+    return deleted
+
+
 def _parse_lines(data: bytes, key: str) -> list[dict[str, Any]]:
     out = []
     for number, line in enumerate(data.splitlines(), 1):

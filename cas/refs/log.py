@@ -49,6 +49,8 @@ SEGMENT_BYTES = 4 << 20
 MAX_RECORD_BYTES = 16 << 20
 MAX_SEGMENT_BYTES = 64 << 20
 """Reading refuses a segment whose bytes exceed this, whatever its head claims."""
+ABSORBED_KEY = "jsonl_absorbed"
+"""Head meta: the log holds the records an older layout kept as JSON-lines blobs."""
 LOOKBACK = 4096
 """How many of the newest records ``append(unique=...)`` compares against by default."""
 
@@ -77,6 +79,9 @@ class LogHead:
     tail: tuple[LogRecord, ...] = ()
     segments: tuple[LogSegment, ...] = ()
     legacy: bool = False
+    absorbed: bool = False
+    """The log holds the records once kept as JSON lines (``absorb_jsonl``): they are not read
+    from there again."""
 
     @property
     def count(self) -> int:
@@ -122,7 +127,8 @@ class AppendLog:
         return self._head_of(self.refs.try_get(self.name))
 
     def __len__(self) -> int:
-        return self.head().count + len(self._before())
+        head = self.head()
+        return head.count + len(self._before(head))
 
     def records(self) -> list[LogRecord]:
         """Every record, oldest first."""
@@ -131,17 +137,17 @@ class AppendLog:
     def oldest_first(self, head: LogHead | None = None) -> Iterator[LogRecord]:
         """Every record, oldest first; segments are read as the walk gets there."""
         head = head or self.head()
-        yield from self._before()
+        yield from self._before(head)
         yield from segments.oldest_first(head.tail, head.segments, self._read_segment)
 
     def newest_first(self, head: LogHead | None = None) -> Iterator[LogRecord]:
         """Every record, newest first; older segments are read only if the walk gets there."""
         head = head or self.head()
         yield from segments.newest_first(head.tail, head.segments, self._read_segment)
-        yield from reversed(self._before())
+        yield from reversed(self._before(head))
 
-    def _before(self) -> list[LogRecord]:
-        if self.legacy_jsonl is None:
+    def _before(self, head: LogHead) -> list[LogRecord]:
+        if self.legacy_jsonl is None or head.absorbed or not self.refs.legacy_layouts:
             return []
         return list(legacy_logs.jsonl_records(self.refs.blobs, self.legacy_jsonl))
 
@@ -186,7 +192,8 @@ class AppendLog:
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise FormatError(f"{where} is corrupt: bad count {count!r} for {path}")
             sealed.append(LogSegment(path, entry.chunks[0], count))
-        head = LogHead(digest, tuple(tail), tuple(sealed))
+        absorbed = meta.get(ABSORBED_KEY) is True
+        head = LogHead(digest, tuple(tail), tuple(sealed), absorbed=absorbed)
         if meta.get("records") != head.count:
             raise FormatError(f"{where} holds {head.count} records, it says {meta.get('records')}")
         return head
@@ -253,7 +260,50 @@ class AppendLog:
         leases = self.refs.leases
         with leases.hold(f"append to {self.name}") if leases else contextlib.nullcontext():
             self.refs.update(self.name, extended, op=op, message=message)
-        return Appended(outcome.added, outcome.total + len(self._before()))
+        return Appended(outcome.added, outcome.total + len(self._before(self._head)))
+
+    # -- moving older layouts forward ------------------------------------------------------------
+
+    def rewrite(self, *, op: str = "migrate") -> bool:
+        """Store a head kept in an older layout again in this one, every record as it was;
+        False when the log is already in this layout (or absent)."""
+        changed = False
+
+        def rewritten(current: RefRecord | None) -> Digest | RefChange:
+            nonlocal changed
+            head = self._head_of(current)
+            changed = head.legacy
+            if not head.legacy:
+                return RefChange.KEEP
+            return self._store_head(LogHead(head.digest), list(head.tail))
+
+        self._under_lease(rewritten, op)
+        return changed
+
+    def absorb_jsonl(self, *, op: str = "migrate") -> int:
+        """Copy the records kept as JSON lines (``legacy_jsonl``) into the log, in front of its
+        own, then delete the JSON-lines blobs; return how many blobs went.
+
+        The head that holds the copies says so, and readers stop reading the blobs from then on,
+        so a crash before the blobs are deleted duplicates nothing and a rerun deletes them.
+        """
+        if self.legacy_jsonl is None:
+            return 0
+
+        def absorbed(current: RefRecord | None) -> Digest | RefChange:
+            head = self._head_of(current)
+            if head.absorbed:
+                return RefChange.KEEP
+            records = list(self.oldest_first(head))  # the JSON lines first, then its own
+            return self._store_head(LogHead(head.digest), records, absorb=True)
+
+        self._under_lease(absorbed, op)
+        return legacy_logs.delete_jsonl(self.refs.blobs, self.legacy_jsonl)
+
+    def _under_lease(self, fn: Callable[[RefRecord | None], Digest | RefChange], op: str) -> None:
+        leases = self.refs.leases
+        with leases.hold(f"{op} {self.name}") if leases else contextlib.nullcontext():
+            self.refs.update(self.name, fn, op=op)
 
     def _unseen(
         self,
@@ -272,7 +322,7 @@ class AppendLog:
                 pending.append(record)
         return pending
 
-    def _store_head(self, head: LogHead, new: list[LogRecord]) -> Digest:
+    def _store_head(self, head: LogHead, new: list[LogRecord], *, absorb: bool = False) -> Digest:
         """Store the head that follows ``head`` with ``new`` appended (sealing a tail that grew
         too large first); return its digest. The ref is not moved here."""
         tail = [*head.tail, *new]
@@ -295,13 +345,14 @@ class AppendLog:
                 "records": len(tail) + sum(s.count for s in sealed),
                 "segments": [s.count for s in sealed],
                 "tail": tail,
+                **({ABSORBED_KEY: True} if absorb or head.absorbed else {}),
             },
             created_at=self.refs.clock(),
             parent=head.digest,
         )
         digest = self.objects.put_manifest(encode_manifest(manifest), codec_by_name("zstd"))
         self.refs.blobs.sync()  # segments and head are durable before a ref names them
-        self._head = LogHead(digest, tuple(tail), tuple(sealed))
+        self._head = LogHead(digest, tuple(tail), tuple(sealed), absorbed=absorb or head.absorbed)
         return digest
 
     def _seal(self, records: Sequence[LogRecord], index: int) -> LogSegment:
@@ -352,4 +403,4 @@ def _batches(records: Sequence[LogRecord]) -> Iterator[Sequence[LogRecord]]:
 
 def legacy_jsonl_names(refs: RefStore) -> set[str]:
     """Names of the eviction logs still kept (also) in the JSON-lines layout."""
-    return legacy_logs.jsonl_names(refs.blobs)
+    return legacy_logs.jsonl_names(refs.blobs) if refs.legacy_layouts else set()

@@ -15,6 +15,7 @@ CPU and rewrote 1.2 MB. With sealing it stays under a millisecond.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -144,10 +145,16 @@ class RefStore:
         blobs: BlobStore,
         clock: Callable[[], float] = time.time,
         leases: LeaseManager | None = None,
+        *,
+        legacy_layouts: bool = True,
     ) -> None:
         self.blobs = blobs
         self.clock = clock
         self.leases = leases
+        self.legacy_layouts = legacy_layouts
+        """Whether the store may hold layouts an older cas wrote (a store of format version 1):
+        only then is a missing long name looked up at its old key, or an eviction log's JSON
+        lines listed."""
         self.objects = ObjectStore(blobs)
         self._decoded: dict[RefName, RefRecord] = {}
         """The last record read or written per ref, reused while the blob's version is the same:
@@ -165,7 +172,7 @@ class RefStore:
         try:
             data, version = self.blobs.get_versioned(key)
         except NotFound:
-            record = self._get_legacy(ref)
+            record = self._get_legacy(ref) if self.legacy_layouts else None
             if record is None:
                 self._decoded.pop(ref, None)
                 raise NotFound(f"no ref named {ref!r}") from None
@@ -390,6 +397,30 @@ class RefStore:
             self._decoded.pop(ref, None)
             return current.target if current else None
         raise RefConflict(f"ref {ref!r} kept changing: gc could not fence it")
+
+    def relocate(self, name: str) -> bool:
+        """Move a long name's record from the key an older cas used to its current key, history
+        and all, without a new event; False when there was nothing at the old key.
+
+        Creates the current key, then deletes the old one only if it still holds what was
+        copied: a crash in between leaves both (the current key wins every read), and a rerun
+        finishes the move. A writer that moved the ref meanwhile has done the move itself.
+        """
+        ref = parse_ref_name(name)
+        old = legacy_key(ref)
+        if old is None:
+            return False
+        try:
+            data, version = self.blobs.get_versioned(old)
+        except NotFound:
+            return False
+        record = replace(decode_ref(ref, data, version), legacy_key=None)
+        with contextlib.suppress(PreconditionFailed):
+            self.blobs.put_conditional(ref_key(ref), encode_ref(record), None)
+        with contextlib.suppress(PreconditionFailed, NotFound):
+            self.blobs.delete_conditional(old, version)
+        self._decoded.pop(ref, None)
+        return True
 
     def _delete_record(self, current: RefRecord) -> None:
         self._check_lease()

@@ -12,7 +12,12 @@ from cas.objects.chunking import DEFAULT_CDC_AVG, DEFAULT_CHUNK_SIZE
 
 CONFIG_KEY = "config"
 STORE_FORMAT = "cas-store"
-STORE_VERSION = 1
+STORE_VERSION = 2
+"""Version 2 is version 1 with no older layout left in it (``cas.repo.migrate``); ``cas`` reads
+both and creates version 2."""
+CLEAN_VERSION = 2
+"""From this version on a store holds none of the layouts an older cas wrote, so readers do not
+look for them."""
 MAX_CHUNK_SIZE = 64 << 20
 
 
@@ -31,6 +36,9 @@ class StoreConfig:
     inline_max: int = 4096
     created_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    version: int = STORE_VERSION
+    """The format version the store's layout is at: rewriting the config (a policy change) keeps
+    it, only ``cas migrate`` moves it."""
 
     def validate(self) -> StoreConfig:
         """Check bounds; a store with absurd settings is refused rather than trusted."""
@@ -44,7 +52,7 @@ class StoreConfig:
 
     def to_json(self) -> bytes:
         """The config blob: JSON so a person (or another language) can read it."""
-        doc = {"format": STORE_FORMAT, "version": STORE_VERSION, **asdict(self)}
+        doc = {"format": STORE_FORMAT, **asdict(self)}
         return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -56,10 +64,13 @@ class StoreConfig:
             raise FormatError(f"store config is not valid JSON: {e}") from e
         if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
             raise FormatError("not a cas store (config has no 'format': 'cas-store')")
-        if doc.get("version") != STORE_VERSION:
+        version = doc.get("version")
+        if type(version) is not int or version < 1:
+            raise FormatError(f"store config has no valid format version ({version!r})")
+        if version > STORE_VERSION:
             raise FormatError(
-                f"store format version {doc.get('version')!r} is not supported by this cas "
-                f"(it reads version {STORE_VERSION}); upgrade cas"
+                f"store format version {version} is newer than this cas "
+                f"(it reads versions 1 to {STORE_VERSION}); upgrade cas"
             )
         known = {f.name for f in fields(cls)}
         try:

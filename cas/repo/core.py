@@ -46,7 +46,7 @@ from cas.refs.maintenance import MaintenanceService
 from cas.refs.store import RefStore
 from cas.refs.stores import Stores
 from cas.refs.sweeps import CollectedDuringWrite
-from cas.repo.config import StoreConfig
+from cas.repo.config import CLEAN_VERSION, StoreConfig
 from cas.repo.refs import RefOperations
 from cas.repo.streaming import StreamWriter
 
@@ -109,7 +109,9 @@ class RepositoryCore(RefOperations):
         self.objects = ObjectStore(blobs, max_object_size=max(config.chunk_size, 64 << 20) + 4096)
         self.leases = LeaseManager(blobs, clock, LeaseSettings.from_config(config.extra))
         self.maintenance = MaintenanceService(blobs, clock, self.leases)
-        self.refs_store = RefStore(blobs, clock, self.leases)
+        self.refs_store = RefStore(
+            blobs, clock, self.leases, legacy_layouts=config.version < CLEAN_VERSION
+        )
         self.io = ChunkIO(self.objects, workers, readers=min(workers, default_readers(blobs)))
         self.stores = Stores(self.objects, self.refs_store, self.maintenance, lambda: self.io.pool)
         self.last_write: WriteStats = WriteStats()

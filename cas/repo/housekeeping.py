@@ -9,6 +9,7 @@ store's ``Stores`` (objects, refs, maintenance service), never on its blobs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cas.blobstore.base import BlobStore
@@ -17,7 +18,7 @@ from cas.errors import NotFound
 from cas.model.manifest import Manifest
 from cas.objects.chunkio import Progress
 from cas.refs.stores import Stores
-from cas.repo.config import StoreConfig, write_config
+from cas.repo.config import StoreConfig, read_config, write_config
 from cas.retention.evictions import eviction_logs, read_evictions
 from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
 from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
@@ -52,7 +53,11 @@ class HousekeepingOperations:
 
     def update_config(self, section: str, value: Any) -> StoreConfig:
         """Replace one ``extra`` section of the store's config (None removes it) and write the
-        config durably; return the new config."""
+        config durably; return the new config. The format version is the stored one: a process
+        that opened the store before `cas migrate` moved it must not move it back."""
+        stored = read_config(self.blobs)
+        if stored is not None and stored.version > self.config.version:
+            self.config = replace(self.config, version=stored.version)
         self.config = self.config.with_extra(section, value)
         write_config(self.blobs, self.config)
         return self.config

@@ -121,11 +121,14 @@ def _write_file(
     """Store one file's chunks and describe it; InputChanged if it changed while it was read.
 
     Region chunks are read on the pool, each into a buffer of its own; the gaps between regions
-    are read here, a window at a time, and cut by content (``cas.repo.inputs``).
+    are read here, a window at a time, and cut by content (``cas.repo.inputs``). A tensor of
+    at most ``inline_max`` bytes stays in the gap's chunks and is described inline as well, as a
+    saved one would be, so that every tensor of the file is listed and compared.
     """
     writer, parents, rel = delta
     config = repo.config
     regions = [r for r in layout.regions if r.nbytes > config.inline_max]
+    small = [r for r in layout.regions if r.nbytes <= config.inline_max]
     with InputFile(path, before) as source:
         if source.size != layout.size:
             raise InputChanged(path, "its size differs from when its format was read")
@@ -151,6 +154,7 @@ def _write_file(
         finally:
             # Every read ends before the file is closed, whatever failed.
             wait_all([*gaps.futures, *(f for p in submitted for f in p.futures())])
+        small_bytes = [source.read(r.offset, r.nbytes) for r in small]
         source.check_unchanged()
     file_regions = []
     for region, written in zip(regions, submitted, strict=True):
@@ -159,6 +163,10 @@ def _write_file(
     gap_refs = iter([f.result() for f in gaps.futures])
     regions_chunks = [iter(tensors[r.tensor_index].chunks) for r in file_regions]
     chunks = [next(gap_refs) if i is None else next(regions_chunks[i]) for _, i in cut_list]
+    for region, data in zip(small, small_bytes, strict=True):
+        file_regions.append(FileRegion(region.name, len(tensors), region.offset))
+        tensors.append(TensorEntry("torch", region.dtype, tuple(region.shape), len(data), (), data))
+    file_regions.sort(key=lambda r: (r.offset, r.tensor_index))
     return FileEntry(source.size, layout.format, tuple(chunks), tuple(file_regions), source.mode)
 
 

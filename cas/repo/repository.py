@@ -327,9 +327,10 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             },
         }
 
-    def diff(self, a: str, b: str) -> list[DiffEntry]:
-        """Entries that differ between two checkpoints, compared by chunk digests, not bytes."""
-        return diff_manifests(self.manifest(a), self.manifest(b))
+    def diff(self, a: str, b: str, *, same: bool = False) -> list[DiffEntry]:
+        """Entries that differ between two checkpoints (``same``: and those that do not),
+        compared by chunk digests, not bytes; tensors inside ingested files one by one."""
+        return diff_manifests(self.manifest(a), self.manifest(b), same=same)
 
 
 def _refuse_replacing(dst: str, protection: str | None, current: Any, digest: Digest) -> None:

@@ -72,5 +72,11 @@ class StreamWriter:
             t = region.tensor
             regions.append(FileRegion(t.name, len(tensors), t.offset))
             tensors.append(TensorEntry("torch", t.dtype, tuple(t.shape), t.nbytes, own))
+        for t, data in self.cutter.complete_small_tensors():  # in the gap's chunks; inline too
+            regions.append(FileRegion(t.name, len(tensors), t.offset))
+            tensors.append(TensorEntry("torch", t.dtype, tuple(t.shape), t.nbytes, (), data))
+        regions.sort(key=lambda r: (r.offset, r.tensor_index))
+        tensors = [tensors[r.tensor_index] for r in regions]  # region i names tensors[i]
+        regions = [FileRegion(r.name, i, r.offset) for i, r in enumerate(regions)]
         entry = FileEntry(self.cutter.size, self.cutter.format, chunks, tuple(regions), 0o644)
         return entry, tuple(tensors)

@@ -10,7 +10,8 @@ Refs follow a run-id, phase and step layout by default (``Layout`` changes it)::
 
 A saved manifest's tree is ``{"state": <your state>, "rng": <cas.training.rng.capture()>}`` and its meta
 holds step, phase, metrics, status (``running``/``interrupted``/``completed``), trigger and the
-config hash. Every save writes chunks, then the manifest, then the checkpoint ref, then moves
+config hash (and ``schema_version``, with which a restore migrates older states:
+``cas.training.schema``). Every save writes chunks, then the manifest, then the checkpoint ref, then moves
 ``latest`` and ``best`` by compare-and-swap: a process killed at any point leaves ``latest`` on a
 complete checkpoint. A ``policy`` is a ``RetentionPolicy`` (applied with ``Repository.forget``),
 anything with ``apply(repo)`` or a callable ``policy(repo)``; it runs after each save, in the
@@ -59,6 +60,7 @@ from cas.training.restore import (
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
 from cas.training.runrefs import RunRefs, open_mirror
 from cas.training.saves import PendingSave, PreparedSave, SaveResult, beats_best, user_metadata
+from cas.training.schema import Migration, SchemaMismatch, UserSchema
 from cas.training.signals import SignalTriggers
 
 if TYPE_CHECKING:
@@ -72,6 +74,7 @@ __all__ = [
     "PendingSave",
     "Restored",
     "SaveResult",
+    "SchemaMismatch",
     "Skipped",
     "StrictLoadError",
     "SystemMismatch",
@@ -101,6 +104,8 @@ class CheckpointManager(RunRefs):
         mirror: Repository | str | None = None,
         config: Any = None,
         system_hash: str | None = None,
+        schema_version: int | None = None,
+        migrations: Mapping[int, Migration] | None = None,
         layout: Layout = DEFAULT_LAYOUT,
         async_save: bool = True,
         max_in_flight: int = 1,
@@ -124,6 +129,7 @@ class CheckpointManager(RunRefs):
         self.config = config
         self.config_hash = config_hash(config) if config is not None else None
         self.system_hash = system_hash
+        self.schema = UserSchema(schema_version, dict(migrations or {}))
         self.layout = layout
         self.exit_on_stop = exit_on_stop
         self.capture_rng = capture_rng
@@ -367,6 +373,7 @@ class CheckpointManager(RunRefs):
             "saved_at": self.clock(),
         }
         meta.update(resume_meta(self.config_hash, self.config, self.system_hash))
+        meta.update(self.schema.meta())
         return meta
 
     def _write(self, prepared: PreparedSave) -> SaveResult:
@@ -515,6 +522,9 @@ class CheckpointManager(RunRefs):
           ``source``, a latest checkpoint that fails verification is skipped for the one before
           it, with a warning and an entry in ``Restored.fallbacks``. The ``system_hash`` must
           match too, unless ``allow_system_change``.
+
+        A checkpoint of an older ``schema_version`` is passed through ``migrations`` before it
+        is returned; one of a newer version is refused (``SchemaMismatch``) in every mode.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -534,6 +544,9 @@ class CheckpointManager(RunRefs):
             candidates = resume_candidates(self.repo, self.latest_ref)
 
         def check(ref: str, meta: Mapping[str, Any]) -> None:
+            self.schema.check(ref, meta)
+            if mode != "resume":
+                return
             check_config(ref, meta, self.config_hash, self.config)
             if not allow_system_change:
                 check_system(ref, meta, self.system_hash)
@@ -544,13 +557,13 @@ class CheckpointManager(RunRefs):
             keys=keys,
             map_location=map_location,
             with_rng=mode == "resume",
-            check=check if mode == "resume" else None,
+            check=check,
             fallback=source is None,
         )
         return self._restored(mode, found, template)
 
     def _restored(self, mode: str, found: Found, template: Any) -> Restored:
-        state = unwrap(found.tree, found.meta)
+        state = self.schema.upgrade(found.ref, found.meta, unwrap(found.tree, found.meta))
         if template is not None:
             check_keys(state, template, found.ref)
         step = int(found.meta.get("step", 0))

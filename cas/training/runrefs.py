@@ -17,6 +17,7 @@ from cas.repo.repository import Repository
 from cas.training.compat import check_keys
 from cas.training.restore import load_checkpoint, unwrap
 from cas.training.run_names import Layout
+from cas.training.schema import UserSchema
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,7 @@ class RunRefs:
     mirror: Repository | None = None
     """A second store (an S3 archive...) that gates and ``best`` are pushed to on promotion,
     so ``cas verify --full --repair-from`` there can heal them."""
+    schema: UserSchema
 
     def wait(self) -> None:
         """Wait for saves in flight (the manager's); pointers are read after them."""
@@ -137,10 +139,11 @@ class RunRefs:
         template: Any = None,
         map_location: str | torch.device | None = None,
     ) -> Any:
-        """Load a gate strictly: no fallback, and any key mismatch with ``template`` is an error."""
+        """Load a gate strictly: no fallback, and any key mismatch with ``template`` is an error.
+        A gate of an older schema version is migrated first, a newer one refused."""
         gate = self.gate_ref(name)
         tree, meta = load_checkpoint(self.repo, gate, keys, map_location, with_rng=False)
-        state = unwrap(tree, meta)
+        state = self.schema.upgrade(gate, meta, unwrap(tree, meta))
         if template is not None:
             check_keys(state, template, gate)
         return state

@@ -70,7 +70,7 @@ class PreparedSave:
 
 RESERVED_META = frozenset(
     {"cas_checkpoint", "run", "phase", "step", "trigger", "status", "metrics", "seed",
-     "saved_at", "config_hash", "config", "system_hash"}
+     "saved_at", "config_hash", "config", "system_hash", "schema_version"}
 )  # fmt: skip
 """The manifest meta keys the manager writes itself; ``metadata=`` may not use them."""
 
