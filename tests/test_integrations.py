@@ -48,6 +48,22 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": torch.randint(0, 64, (8,), generator=g), "labels": torch.tensor(i % 2)}
 
 
+def test_a_save_pretrained_model_goes_into_the_store_and_comes_back_with_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    transformers = require_module("transformers", HF_EXTRA)
+    model = tiny_bert()
+    model.save_pretrained(tmp_path / "saved")  # model.safetensors + config.json
+    repo = cas.open(tmp_path / "store")
+    repo.put_path(tmp_path / "saved", "models/tiny-bert")
+    repo.get_path("models/tiny-bert", tmp_path / "restored")
+    for saved in (tmp_path / "saved").iterdir():
+        assert (tmp_path / "restored" / saved.name).read_bytes() == saved.read_bytes()
+    back = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "restored")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+
+
 @pytest.mark.parametrize("async_ingest", [False, True])
 def test_hf_trainer_checkpoints_land_in_the_store_byte_identical(
     tmp_path: Path, async_ingest: bool

@@ -234,7 +234,9 @@ def byte_bar(obj: Context, total: int | None, desc: str) -> Any:
     return tqdm(
         total=total,
         desc=desc,
-        unit="B",
+        # Binary units like every other size cas prints: with a divisor of 1024, tqdm's "B" would
+        # label mebibytes "MB"; "iB" gives "MiB" (and "kiB").
+        unit="iB",
         unit_scale=True,
         unit_divisor=1024,
         disable=obj.quiet,
