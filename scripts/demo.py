@@ -99,7 +99,8 @@ def main() -> None:
             repo.cp(ref, f"{run}/latest")
             if loss.item() < best:
                 best = loss.item()
-                repo.cp(ref, f"{run}/best")
+                # `best` is a protected pointer: moving it to a better checkpoint is explicit.
+                repo.cp(ref, f"{run}/best", overwrite=True)
             save_seconds += time.perf_counter() - t0
             saved_bytes += repo.last_write.logical_bytes
             print(
