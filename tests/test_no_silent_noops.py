@@ -160,3 +160,12 @@ def test_forget_dry_run_names_what_it_keeps(store: Path) -> None:
     assert any(
         line.startswith("DROP") and "runs/r1/ckpt_1" in line for line in dry.stdout.splitlines()
     )
+
+
+def test_a_mistyped_store_path_is_one_error_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    missing = tmp_path / "typo" / "store"
+    for args in (["ls"], ["verify"], ["stats"]):
+        listed = run_cli(missing, *args)
+        assert listed.returncode != 0 and "no cas store" in listed.stderr, listed.stderr
+        assert len(listed.stderr.strip().splitlines()) == 1, listed.stderr
+    assert not (tmp_path / "typo").exists()  # nothing created on the way to the error

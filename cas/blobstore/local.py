@@ -91,10 +91,18 @@ class LocalBlobStore(BlobStore):
         self._dirty_dirs: set[Path] = set()
         self._dirty_lock = threading.Lock()
         self._known_dirs: set[Path] = set()
+        self._prepared = False
+        """Whether ``tmp/locks`` exists: made on the first write, so that opening a store that is
+        not there (``cas --store typo ls``, tab completion) leaves nothing behind."""
+
+    def _prepare(self) -> None:
+        if self._prepared:
+            return
         try:
             (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise BackendError(f"cannot create store directory {self.root}: {e.strerror}") from e
+        self._prepared = True
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -162,6 +170,7 @@ class LocalBlobStore(BlobStore):
         return self._direct_io
 
     def _write_temp(self, *parts: BytesLike, fsync: bool = True) -> Path:
+        self._prepare()
         tmp = self.root / TMP_DIR / f"{uuid.uuid4().hex}.tmp"
         fsync = fsync and self._fsync
         if self._direct_io:
@@ -328,6 +337,7 @@ class LocalBlobStore(BlobStore):
 
     @contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
+        self._prepare()
         lock_path = self.root / LOCK_DIR / f"{digest_of(key.encode())[:32]}.lock"
         with disk_errors("locking", lock_path):
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
