@@ -407,18 +407,14 @@ class RefStore:
         finishes the move. A writer that moved the ref meanwhile has done the move itself.
         """
         ref = parse_ref_name(name)
-        old = legacy_key(ref)
-        if old is None:
+        found = self._get_legacy(ref)
+        if found is None or found.legacy_key is None or found.version is None:
             return False
-        try:
-            data, version = self.blobs.get_versioned(old)
-        except NotFound:
-            return False
-        record = replace(decode_ref(ref, data, version), legacy_key=None)
+        record = replace(found, legacy_key=None)
         with contextlib.suppress(PreconditionFailed):
             self.blobs.put_conditional(ref_key(ref), encode_ref(record), None)
         with contextlib.suppress(PreconditionFailed, NotFound):
-            self.blobs.delete_conditional(old, version)
+            self.blobs.delete_conditional(found.legacy_key, found.version)
         self._decoded.pop(ref, None)
         return True
 
