@@ -23,7 +23,7 @@ from cas.repo.config import StoreConfig
 from cas.retention.gc import GCResult, GCSettings
 from tests.gc_workers import CHUNK, state
 from tests.helpers import assert_bit_exact
-from tests.retention_helpers import chunk_digests, reachable_chunks, tensor
+from tests.retention_helpers import FrozenWriter, chunk_digests, reachable_chunks, tensor
 
 pytestmark = pytest.mark.s3
 
@@ -40,9 +40,10 @@ def s3_repo(url: str, blobs: Callable[[BlobStore], BlobStore] | None = None, **e
     return cas.Repository(blobs(repo.blobs), repo.config)
 
 
-class StallRefWrite(BlobStoreWrapper):
-    """Blocks the first compare-and-swap of ``key`` until ``resume`` is set: a writer frozen
-    between its last lease check and its ref update."""
+class StallRefWrite(FrozenWriter):
+    """Freezes the writer at the first compare-and-swap of ``key`` until ``resume`` is set: a
+    writer process frozen whole (its lease renewals too) between its last lease check and its
+    ref update."""
 
     def __init__(self, inner: BlobStore, key: str) -> None:
         super().__init__(inner)
@@ -52,8 +53,10 @@ class StallRefWrite(BlobStoreWrapper):
 
     def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         if key == self.key and not self.stalled.is_set():
+            self.freeze()
             self.stalled.set()
             assert self.resume.wait(60)
+            self.thaw()
         return self.inner.put_conditional(key, data, expected)
 
 

@@ -2,9 +2,9 @@
 
 A writer (``Repository.save``, ``put_path``, ``commit``...) holds a *lease* for the length of the
 write: a small JSON blob ``leases/<writer-id>`` saying who holds it (host, pid), when it started
-and when it expires. The writer refreshes it while it makes progress, has it checked right before
-each ref compare-and-swap (``RefStore`` does it; ``LeaseExpired`` aborts the commit) and deletes
-it afterwards.
+and when it expires. A daemon thread renews it while the writer lives (``cas.refs.renewal``); it is
+checked right before each ref compare-and-swap (``RefStore`` does it; ``LeaseExpired`` aborts the
+commit) and deleted afterwards.
 
 GC reads the leases before it lists anything. A live lease protects every object modified after
 ``lease.started - margin``: everything the writer wrote or reused (``put_chunk`` of an existing
@@ -12,8 +12,8 @@ chunk refreshes its mtime) has an mtime at or after ``started``. A writer whose 
 expired can no longer commit, because the writer stops committing ``margin`` seconds *before*
 expiry and GC treats a lease as live until ``margin`` seconds *after* it; ``margin`` therefore
 covers the clock skew between hosts (and the server's clock for S3 mtimes) plus the time of one
-ref compare-and-swap. See docs/gc.md ("Writer leases") for the whole protocol. The maintenance lock of
-``cas forget`` / ``cas gc`` is the same idea for maintenance runs (``cas.refs.maintenance``).
+ref compare-and-swap. See docs/gc.md ("Writer leases") for the whole protocol. The maintenance
+lock of ``cas forget`` / ``cas gc`` is the same idea for maintenance runs (``cas.refs.maintenance``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import CASError, FormatError, LeaseExpired, NotFound
 from cas.refs.liveness import process_gone
+from cas.refs.renewal import Renewal, start_renewal
 from cas.refs.sweeps import IDLE, SweepState, read_sweep, settle
 
 LEASES_PREFIX = "leases/"
@@ -41,6 +42,9 @@ LEASE_FORMAT = "cas-lease"
 LEASE_SECTION = "leases"
 """The ``StoreConfig.extra`` section holding ``LeaseSettings``."""
 MAX_LEASE_BLOB = 64 << 10
+RENEWALS_PER_DURATION = 4
+"""A live writer's lease is renewed every ``duration / 4``: a renewal may fail or stall for half
+the lease before the writer loses it."""
 
 Progress = Callable[[int], None]
 
@@ -49,14 +53,16 @@ Progress = Callable[[int], None]
 class LeaseSettings:
     """How long a writer lease lasts and how much clock slack both sides allow.
 
-    ``duration``: a lease not refreshed for this long expires (writers refresh every quarter of
-    it while they make progress). ``margin``: writers stop committing this long before expiry and
-    GC keeps honouring a lease this long after it, so it must exceed the clock skew between any
-    writer, the GC host and the storage server, plus one ref update.
+    ``duration``: a lease not renewed for this long expires (a writer's renewal thread renews it
+    every quarter of it while the writer lives; the maintenance lock lasts as long). ``margin``:
+    writers stop committing this long before expiry and GC keeps honouring a lease this long
+    after it, so it must exceed the clock skew between any writer, the GC host and the storage
+    server, plus one ref update. A dead remote writer's lease lapses ``duration + margin`` after
+    its last renewal at the latest (docs/gc.md, "Writer leases", explains the figures).
     """
 
-    duration: float = 1800.0
-    margin: float = 120.0
+    duration: float = 120.0
+    margin: float = 30.0
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -119,7 +125,15 @@ def encode_json(doc: dict[str, Any]) -> bytes:
 
 
 class WriterLease:
-    """One writer's lease: acquire, refresh while writing, check before committing, release."""
+    """One writer's lease: acquire, renewed while the writer lives, checked before committing,
+    released.
+
+    A daemon thread renews it every quarter of its duration (``cas.refs.renewal``), so a writer
+    that is alive but idle (a slow disk, a long wait between chunks) keeps it. A renewal counts
+    only if its write returned while the lease it extends was still safely live: a write that
+    returned later may have landed after GC read the lease and found it expired, so the lease is
+    lost for good instead, and no later renewal or commit revives it (docs/gc.md, "Writer leases").
+    """
 
     def __init__(
         self,
@@ -138,7 +152,12 @@ class WriterLease:
         self.expires = 0.0
         self._refreshed = 0.0
         self._lost = ""
+        self._released = False
+        self._renew_error = ""
+        self._renewal: Renewal | None = None
         self._lock = threading.Lock()
+        self.renewals = 0
+        """How many times the renewal thread extended the lease."""
         self.commits: tuple[str, ...] = ()
         self.sweep: SweepState = IDLE
         """GC's sweep record as it was when the lease was taken (``cas.refs.sweeps``)."""
@@ -164,15 +183,30 @@ class WriterLease:
     # ones: a lease only matters while its writer runs, so a crash that loses or tears it loses
     # nothing (GC reads an unreadable lease as started at its mtime, which keeps it safe).
 
-    def acquire(self) -> WriterLease:
-        """Write the lease blob and read GC's sweep record; from now on GC spares what this
-        writer touches, and its commits can tell whether a deletion overlapped them."""
-        now = self.clock()
-        self.started = now
+    def _write(self, now: float, deadline: float) -> None:
+        """Write the lease as of ``now``; the new expiry counts only if the write returned before
+        ``deadline`` (the old expiry less the margin), else the lease is lost (held lock)."""
         self.blobs.put_transient(self.key, self._document(now))
+        returned = self.clock()
+        if returned >= deadline:
+            self._lost = (
+                f"a lease write returned at {returned:.3f}, after the lease it extended was "
+                f"safe ({deadline:.3f}); GC may have found it expired meanwhile"
+            )
+            raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
         self._refreshed = now
         self.expires = now + self.settings.duration
+
+    def acquire(self) -> WriterLease:
+        """Write the lease blob, read GC's sweep record and start renewing; from now on GC spares
+        what this writer touches, and its commits can tell whether a deletion overlapped them."""
+        now = self.clock()
+        self.started = now
+        with self._lock:
+            self._write(now, now + self.settings.duration - self.settings.margin)
         self.sweep = read_sweep(self.blobs)
+        period = self.settings.duration / RENEWALS_PER_DURATION
+        self._renewal = start_renewal(self, WriterLease._renew_in_background, period, "lease")
         return self
 
     def declare(self, ref: str) -> None:
@@ -185,9 +219,7 @@ class WriterLease:
             now = self.clock()
             self._raise_if_expired(now)
             self.commits = (*self.commits, ref)
-            self.blobs.put_transient(self.key, self._document(now))
-            self._refreshed = now
-            self.expires = now + self.settings.duration
+            self._write(now, self.expires - self.settings.margin)
 
     def settle(self, missing: Callable[[], Iterable[str]]) -> None:
         """LeaseExpired if a GC deletion that overlapped this write took an object the commit
@@ -195,20 +227,37 @@ class WriterLease:
         settle(self.blobs, self.sweep, self.clock, self.settings.margin, missing)
 
     def refresh(self) -> None:
-        """Extend the lease by ``duration``; LeaseExpired if it already ran out or GC reaped it."""
+        """Extend the lease by ``duration``; LeaseExpired if it already ran out, GC reaped it or
+        it was released."""
         with self._lock:
+            if self._released:
+                raise LeaseExpired(f"writer lease {self.writer_id}: released; not renewed")
             now = self.clock()
             self._raise_if_expired(now)
             if not self.blobs.has(self.key):
                 self._lost = "its lease blob is gone (reaped by GC as expired)"
-                raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}")
-            self.blobs.put_transient(self.key, self._document(now))
-            self._refreshed = now
-            self.expires = now + self.settings.duration
+                raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
+            self._write(now, self.expires - self.settings.margin)
+
+    @staticmethod
+    def _renew_in_background(lease: WriterLease) -> bool:
+        """One renewal by the renewal thread; False ends the thread (lost or released). A failed
+        write is remembered for the error the writer sees if its lease then runs out."""
+        try:
+            lease.refresh()
+        except LeaseExpired:
+            return False
+        except CASError as e:
+            lease._renew_error = f"renewing the lease failed: {e}"
+            return True
+        lease._renew_error = ""
+        lease.renewals += 1
+        return True
 
     def maybe_refresh(self) -> None:
-        """Refresh when a quarter of the duration passed since the last refresh."""
-        if self.clock() - self._refreshed >= self.settings.duration / 4:
+        """Refresh when a quarter of the duration passed since the last refresh (progress on the
+        writer's own thread; the renewal thread usually did it already)."""
+        if self.clock() - self._refreshed >= self.settings.duration / RENEWALS_PER_DURATION:
             self.refresh()
 
     def check(self) -> None:
@@ -220,14 +269,21 @@ class WriterLease:
         if self._lost:
             raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
         if now >= self.expires - self.settings.margin:
+            why = f" ({self._renew_error})" if self._renew_error else ""
             self._lost = (
-                f"expired at {self.expires:.3f} (now {now:.3f}, margin {self.settings.margin:g}s);"
-                " GC may already have collected what this writer stored"
+                f"expired at {self.expires:.3f} (now {now:.3f}, margin {self.settings.margin:g}s)"
+                f"{why}; GC may already have collected what this writer stored"
             )
             raise LeaseExpired(f"writer lease {self.writer_id} {self._lost}; commit aborted")
 
     def release(self) -> None:
-        """Delete the lease blob; a failure here only leaves a lease that will expire."""
+        """Stop renewing and delete the lease blob; a failure here only leaves a lease that will
+        expire."""
+        with self._lock:
+            self._released = True
+        if self._renewal is not None:
+            self._renewal.stop()
+            self._renewal = None
         # An unreleased lease expires by itself; a failure here must not mask the write's result.
         with contextlib.suppress(CASError):
             self.blobs.delete(self.key)

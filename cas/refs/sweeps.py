@@ -87,12 +87,15 @@ class SweepWindows:
         clock: Callable[[], float],
         holder: str,
         margin: float,
+        lock_deadline: Callable[[], float] | None = None,
         duration: float = SWEEP_WINDOW,
     ) -> None:
         self.blobs = blobs
         self.clock = clock
         self.holder = holder
         self.margin = margin
+        self.lock_deadline = lock_deadline
+        """Until when the maintenance lock is surely held: deleting stops ``margin`` before it."""
         self.duration = duration
         self.expires = 0.0
         self._version = read_sweep(blobs).version
@@ -133,13 +136,23 @@ class SweepWindows:
         self._write("idle")
 
     def guard(self) -> None:
-        """Raise unless a delete may still run now: inside a window, ``margin`` before its end."""
+        """Raise unless a delete may still run now: inside a window and while the maintenance
+        lock is surely held, ``margin`` before either ends. Another run can take the lock over
+        only after it expired, so two runs' batches never overlap."""
         now = self.clock()
         if now >= self.expires - self.margin:
             raise LockHeld(
                 f"gc sweep: batch {self.batches} outlasted its window (expired at "
                 f"{self.expires:.3f}, now {now:.3f}); stopping, nothing more deleted"
             )
+        if self.lock_deadline is not None:
+            until = self.lock_deadline()
+            if now >= until - self.margin:
+                raise LockHeld(
+                    f"gc sweep: batch {self.batches}: the maintenance lock was not renewed in "
+                    f"time (safe until {until:.3f}, now {now:.3f}) or was lost; stopping, "
+                    "nothing more deleted"
+                )
 
 
 def settle(
