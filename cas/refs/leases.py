@@ -33,6 +33,8 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import CASError, FormatError, LeaseExpired, NotFound
+from cas.names import RefName
+from cas.refs import fences
 from cas.refs.liveness import process_gone
 from cas.refs.renewal import Renewal, start_renewal
 from cas.refs.sweeps import IDLE, SweepState, read_sweep, settle
@@ -277,16 +279,22 @@ class WriterLease:
             raise LeaseExpired(f"writer lease {self.writer_id} {self._lost}; commit aborted")
 
     def release(self) -> None:
-        """Stop renewing and delete the lease blob; a failure here only leaves a lease that will
-        expire."""
+        """Stop renewing and delete the lease blob; a lease that was lost also withdraws from the
+        fences GC put on the refs it declared. Failures only leave a lease that will expire."""
         with self._lock:
             self._released = True
+            lapsed = bool(self._lost) or self.clock() >= self.expires - self.settings.margin
         if self._renewal is not None:
             self._renewal.stop()
             self._renewal = None
         # An unreleased lease expires by itself; a failure here must not mask the write's result.
         with contextlib.suppress(CASError):
             self.blobs.delete(self.key)
+        if lapsed:
+            # Only a lease that lapsed can have been fenced: GC fences a lease it found expired,
+            # and then this writer finds it expired too.
+            for ref in self.commits:
+                fences.withdraw(self.blobs, RefName(ref), self.writer_id)
 
 
 class LeaseManager:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import BackendError, CASError, LockHeld, NotFound, PreconditionFailed
+from cas.refs import fences
+from cas.refs.fences import FenceEntry
 from cas.refs.leases import (
     RENEWALS_PER_DURATION,
     LeaseManager,
@@ -337,6 +339,15 @@ class MaintenanceService:
         holder = held.holder if held is not None else writer_id()
         deadline = held.safe_until if held is not None else None
         return SweepWindows(self.blobs, self.clock, holder, self.settings.margin, deadline)
+
+    def stale_fences(self, now: float) -> list[FenceEntry]:
+        """The fence records no writer can need any more at ``now``, and stale index entries
+        (``cas.refs.fences``): what GC removes."""
+        return [entry for entry in fences.read_fences(self.blobs) if entry.removable(now)]
+
+    def remove_fence(self, entry: FenceEntry) -> bool:
+        """Remove a fence record ``stale_fences`` listed, unless it changed since; whether it went."""
+        return fences.remove(self.blobs, entry)
 
     def lock_holder(self) -> LockHolder | None:
         """Who holds the maintenance lock (None when it is free or unreadable)."""
