@@ -334,11 +334,13 @@ class MaintenanceService:
 
     def sweep_windows(self) -> SweepWindows:
         """GC's announcements of its batches of deletions (``cas.refs.sweeps``); a batch stops
-        deleting ``margin`` before the lock could be taken over."""
+        deleting ``margin`` before the lock could be taken over. A window lasts as long as a
+        lease, so a GC that died mid-batch holds up commits no longer than a dead writer would."""
         held = self._held
         holder = held.holder if held is not None else writer_id()
         deadline = held.safe_until if held is not None else None
-        return SweepWindows(self.blobs, self.clock, holder, self.settings.margin, deadline)
+        margin, duration = self.settings.margin, self.settings.duration
+        return SweepWindows(self.blobs, self.clock, holder, margin, deadline, duration)
 
     def stale_fences(self, now: float) -> list[FenceEntry]:
         """The fence records no writer can need any more at ``now``, and stale index entries

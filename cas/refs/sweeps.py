@@ -26,7 +26,8 @@ from cas.refs.liveness import process_gone
 SWEEP_KEY = "state/gc-sweep"
 SWEEP_FORMAT = "cas-gc-sweep"
 SWEEP_WINDOW = 300.0
-"""How long one announced batch may take; a GC that died mid-batch blocks commits no longer."""
+"""How long one announced batch may take unless told (GC passes the store's lease duration), and
+how long an unreadable record counts as a batch in progress."""
 POLL = 0.05
 """How often a committing writer looks whether the batch in progress has ended."""
 
