@@ -18,7 +18,9 @@ from cas.blobstore.base import BlobStore, BytesLike, Version
 from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.digest import Digest
 from cas.errors import LeaseExpired
+from cas.names import RefName
 from cas.objects.store import chunk_key
+from cas.refs.keys import ref_key
 from cas.repo.config import StoreConfig
 from cas.retention.gc import GCResult, GCSettings
 from tests.gc_workers import CHUNK, state
@@ -133,7 +135,8 @@ def test_a_writer_paused_past_its_lease_is_refused_and_loses_nothing_on_s3(
     repo = s3_repo(s3_url)
     assert repo.verify(level="full").ok
     assert_bit_exact(repo.load("w/latest"), state(1))
-    assert [r.name for r in repo.refs()] == ["w/latest"]
+    assert [r.name for r in repo.refs()] == repo.ref_names() == ["w/latest"]
+    assert not repo.blobs.has(ref_key(RefName("w/ckpt_1")))  # the refused writer took its fence
     repo.save(state(4), ref)  # a live writer replaces the fence and publishes
     assert_bit_exact(repo.load(ref), state(4))
     assert not repo.plan_gc(NO_GRACE).broken_refs
