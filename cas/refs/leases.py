@@ -26,6 +26,7 @@ import re
 import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -232,8 +233,6 @@ class WriterLease:
         """Extend the lease by ``duration``; LeaseExpired if it already ran out, GC reaped it or
         it was released."""
         with self._lock:
-            if self._released:
-                raise LeaseExpired(f"writer lease {self.writer_id}: released; not renewed")
             now = self.clock()
             self._raise_if_expired(now)
             if not self.blobs.has(self.key):
@@ -268,6 +267,8 @@ class WriterLease:
             self._raise_if_expired(self.clock())
 
     def _raise_if_expired(self, now: float) -> None:
+        if self._released:
+            raise LeaseExpired(f"writer lease {self.writer_id} was released; commit aborted")
         if self._lost:
             raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
         if now >= self.expires - self.settings.margin:
@@ -282,6 +283,8 @@ class WriterLease:
         """Stop renewing and delete the lease blob; a lease that was lost also withdraws from the
         fences GC put on the refs it declared. Failures only leave a lease that will expire."""
         with self._lock:
+            if self._released:
+                return
             self._released = True
             lapsed = bool(self._lost) or self.clock() >= self.expires - self.settings.margin
         if self._renewal is not None:
@@ -307,6 +310,7 @@ class LeaseManager:
         self.clock = clock
         self.settings = settings
         self._local = threading.local()
+        self._active: weakref.WeakSet[WriterLease] = weakref.WeakSet()
 
     def current(self) -> WriterLease | None:
         """The lease this thread holds, if any."""
@@ -319,7 +323,15 @@ class LeaseManager:
         and releases it."""
         if not self.settings.enabled:
             return None
-        return WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        lease = WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        self._active.add(lease)
+        return lease
+
+    def close(self) -> None:
+        """Release every lease still held (a file left open for writing): their renewal threads
+        stop and their writes can no longer commit."""
+        for lease in list(self._active):
+            lease.release()
 
     @contextmanager
     def hold(self, purpose: str = "write") -> Iterator[WriterLease | None]:
@@ -333,6 +345,7 @@ class LeaseManager:
             yield existing
             return
         lease = WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        self._active.add(lease)
         self._local.lease = lease
         try:
             yield lease
