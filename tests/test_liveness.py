@@ -68,8 +68,13 @@ def test_a_live_writer_idle_past_its_lease_keeps_it_and_its_save_survives_gc(
     assert max(renewing) == 1  # the save's lease was being renewed while it waited
     assert_bit_exact(writer.load("w/slow"), state(5, 6))
     assert writer.verify(level="full").ok
-    writer.close()
     assert renewal_threads() == []  # none left behind by the save or by GC's lock
+    left_open = writer.writer_lease("a file left open for writing")
+    assert left_open is not None and len(renewal_threads("lease")) == 1
+    writer.close()
+    assert renewal_threads() == [] and not list(base.blobs.list("leases/"))
+    with pytest.raises(LeaseExpired):
+        left_open.check()
 
 
 def test_a_lease_renewal_that_returns_too_late_loses_the_lease_for_good() -> None:
@@ -109,10 +114,9 @@ def test_a_dead_remote_writer_and_gc_stop_blocking_within_minutes_by_default() -
     service = MaintenanceService(blobs, clock, writers)
     lease = writers.acquire("a writer on a host that lost power")
     assert lease is not None
-    lease.release = lambda: None  # type: ignore[method-assign]  # it died: nothing more runs
     held = service.lock("gc")
     held.__enter__()
-    clock.advance(100)  # no renewal since: both hosts are gone
+    clock.advance(100)  # no renewal since (their threads wait 30 s): as if both hosts were gone
     assert [s.live for s in service.lease_states()] == [True]
     with pytest.raises(LockHeld), service.lock("gc"):
         pass
@@ -120,6 +124,9 @@ def test_a_dead_remote_writer_and_gc_stop_blocking_within_minutes_by_default() -
     assert [s.live for s in service.lease_states()] == [False]
     with service.lock("gc"):
         assert blobs.has(MAINTENANCE_LOCK_KEY)
+    held.__exit__(None, None, None)
+    lease.release()
+    assert renewal_threads() == []
 
 
 def test_a_killed_writers_fence_is_listed_nowhere_and_the_next_gc_removes_it(
