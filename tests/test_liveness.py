@@ -13,9 +13,9 @@ import pytest
 
 import cas
 from cas.blobstore import MemoryBlobStore
-from cas.blobstore.base import BytesLike
+from cas.blobstore.base import BytesLike, Version
 from cas.blobstore.wrapper import BlobStoreWrapper
-from cas.errors import LeaseExpired, LockHeld
+from cas.errors import BackendError, LeaseExpired, LockHeld
 from cas.model.manifest import Manifest
 from cas.model.state import encode_state
 from cas.names import RefName
@@ -127,6 +127,35 @@ def test_a_dead_remote_writer_and_gc_stop_blocking_within_minutes_by_default() -
     held.__exit__(None, None, None)
     lease.release()
     assert renewal_threads() == []
+
+
+def test_a_gc_whose_lock_renewals_fail_stops_deleting_before_it_could_lose_it_and_says_why() -> (
+    None
+):
+    clock = FakeClock(1000.0)
+
+    class LockWritesFail(MemoryBlobStore):
+        down = False
+
+        def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
+            if self.down and key == MAINTENANCE_LOCK_KEY:
+                raise BackendError("S3 PutObject locks/maintenance: connection reset")
+            return super().put_conditional(key, data, expected)
+
+    blobs = LockWritesFail(clock)
+    settings = LeaseSettings(duration=120, margin=30)
+    service = MaintenanceService(blobs, clock, LeaseManager(blobs, clock, settings))
+    with service.lock("gc"):  # until 1120
+        blobs.down = True
+        clock.advance(60)
+        with pytest.raises(BackendError, match="gc: renewing the maintenance lock: S3 PutObject"):
+            service.refresh_lock()
+        windows = service.sweep_windows()
+        with windows.batch():  # a fresh window, until 1180
+            windows.guard()
+            clock.advance(31)  # 1091: another run could take the lock over at 1120
+            with pytest.raises(LockHeld, match="renewing it failed: S3 PutObject"):
+                windows.guard()
 
 
 def test_a_killed_writers_fence_is_listed_nowhere_and_the_next_gc_removes_it(

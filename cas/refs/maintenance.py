@@ -124,6 +124,7 @@ class MaintenanceLock:
         """The expiry of the last write of the lock known to have landed."""
         self._version: Version | None = None
         self._lost = ""
+        self._failed = ""
         self._renewal: Renewal | None = None
         self._mutex = threading.Lock()
 
@@ -215,6 +216,10 @@ class MaintenanceLock:
             except (PreconditionFailed, NotFound) as e:
                 self._lost = "the maintenance lock expired and was taken over, or was removed"
                 raise LockHeld(f"{self.operation}: {self._lost}; stopping") from e
+            except CASError as e:
+                self._failed = f"renewing it failed: {e}"
+                raise type(e)(f"{self.operation}: renewing the maintenance lock: {e}") from e
+            self._failed = ""
             self.expires = now + self.duration
 
     @staticmethod
@@ -228,6 +233,12 @@ class MaintenanceLock:
         except CASError:
             return True
         return True
+
+    @property
+    def trouble(self) -> str:
+        """Why the lock may be lost (taken over, or its last renewal failed), or ``""``."""
+        with self._mutex:
+            return self._lost or self._failed
 
     def safe_until(self) -> float:
         """Until when (this host's clock) no other run can have taken the lock over."""
@@ -338,9 +349,8 @@ class MaintenanceService:
         lease, so a GC that died mid-batch holds up commits no longer than a dead writer would."""
         held = self._held
         holder = held.holder if held is not None else writer_id()
-        deadline = held.safe_until if held is not None else None
         margin, duration = self.settings.margin, self.settings.duration
-        return SweepWindows(self.blobs, self.clock, holder, margin, deadline, duration)
+        return SweepWindows(self.blobs, self.clock, holder, margin, held, duration)
 
     def stale_fences(self, now: float) -> list[FenceEntry]:
         """The fence records no writer can need any more at ``now``, and stale index entries
