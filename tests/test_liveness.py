@@ -107,6 +107,26 @@ def test_a_lease_renewal_that_returns_too_late_loses_the_lease_for_good() -> Non
     assert renewal_threads("lease") == []
 
 
+def test_a_writer_whose_renewals_fail_is_told_why_its_lease_ran_out() -> None:
+    class LeaseWritesFail(MemoryBlobStore):
+        down = False
+
+        def put_transient(self, key: str, data: BytesLike) -> None:
+            if self.down:
+                raise BackendError(f"S3 PutObject {key}: connection reset")
+            super().put_transient(key, data)
+
+    blobs = LeaseWritesFail()
+    leases = LeaseManager(blobs, time.time, LeaseSettings(duration=0.4, margin=0.1))
+    with leases.hold("save") as lease:
+        assert lease is not None
+        blobs.down = True
+        time.sleep(0.6)  # renewals every 0.1 s, all failing
+        with pytest.raises(LeaseExpired, match="renewing the lease failed: S3 PutObject leases/"):
+            lease.check()
+    assert renewal_threads() == []
+
+
 def test_a_dead_remote_writer_and_gc_stop_blocking_within_minutes_by_default() -> None:
     clock = FakeClock(1000.0)
     blobs = MemoryBlobStore(clock)
