@@ -46,8 +46,8 @@ LEASE_SECTION = "leases"
 """The ``StoreConfig.extra`` section holding ``LeaseSettings``."""
 MAX_LEASE_BLOB = 64 << 10
 RENEWALS_PER_DURATION = 4
-"""A live writer's lease is renewed every ``duration / 4``: a renewal may fail or stall for half
-the lease before the writer loses it."""
+"""A live writer's lease is renewed every ``duration / 4``, so it rides out a failed renewal, or
+a stall of up to ``3/4 duration - margin`` (a minute by default), before it is lost."""
 
 Progress = Callable[[int], None]
 
@@ -159,8 +159,6 @@ class WriterLease:
         self._renew_error = ""
         self._renewal: Renewal | None = None
         self._lock = threading.Lock()
-        self.renewals = 0
-        """How many times the renewal thread extended the lease."""
         self.commits: tuple[str, ...] = ()
         self.sweep: SweepState = IDLE
         """GC's sweep record as it was when the lease was taken (``cas.refs.sweeps``)."""
@@ -252,7 +250,6 @@ class WriterLease:
             lease._renew_error = f"renewing the lease failed: {e}"
             return True
         lease._renew_error = ""
-        lease.renewals += 1
         return True
 
     def maybe_refresh(self) -> None:

@@ -136,7 +136,7 @@ class GCPlan:
     kept_manifests: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
     """Every manifest the plan keeps as a root."""
     stale_fences: tuple[FenceEntry, ...] = field(default=(), repr=False, compare=False)
-    """Fence records no writer can need any more (docs/gc.md, "Fenced commits"): removed."""
+    """Fence records no writer can need any more (docs/gc.md, "Removing fence records"): removed."""
 
     @property
     def freed_bytes(self) -> int:
