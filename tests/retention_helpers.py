@@ -15,6 +15,7 @@ import cas
 from cas.blobstore import MemoryBlobStore
 from cas.blobstore.base import BlobStore, BytesLike
 from cas.blobstore.wrapper import BlobStoreWrapper
+from cas.refs.renewal import THREAD_PREFIX
 from cas.repo.config import StoreConfig
 from cas.repo.repository import Repository
 
@@ -47,6 +48,12 @@ class FrozenWriter(BlobStoreWrapper):
     def put_transient(self, key: str, data: BytesLike) -> None:
         self._wait(key)
         self.inner.put_transient(key, data)
+
+
+def renewal_threads(kind: str = "") -> list[threading.Thread]:
+    """The lease and lock renewal threads running now (``lease`` or ``lock`` ones only)."""
+    prefix = f"{THREAD_PREFIX}-{kind}"
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
 class FakeClock:

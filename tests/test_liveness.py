@@ -23,21 +23,14 @@ from cas.refs.fences import FENCE_INDEX
 from cas.refs.keys import ref_key
 from cas.refs.leases import LeaseManager, LeaseSettings
 from cas.refs.maintenance import MAINTENANCE_LOCK_KEY, MaintenanceService
-from cas.refs.renewal import THREAD_PREFIX
 from cas.retention.gc import GCResult, GCSettings
 from tests.gc_workers import state
 from tests.helpers import assert_bit_exact
 from tests.liveness_workers import SlowChunkWrites
-from tests.retention_helpers import FakeClock, FrozenWriter, local_repo
+from tests.retention_helpers import FakeClock, FrozenWriter, local_repo, renewal_threads
 
 NO_GRACE = GCSettings(grace=0, reflog_window=0)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def renewal_threads(kind: str = "") -> list[threading.Thread]:
-    """The renewal threads running now (``lease`` or ``lock`` ones only, if asked)."""
-    prefix = f"{THREAD_PREFIX}-{kind}"
-    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
 def test_a_live_writer_idle_past_its_lease_keeps_it_and_its_save_survives_gc(

@@ -16,9 +16,8 @@ from cas.retention.gc import GCResult, GCSettings
 from tests.gc_workers import state
 from tests.helpers import assert_bit_exact
 from tests.liveness_workers import SlowChunkWrites
-from tests.retention_helpers import chunk_digests, reachable_chunks
+from tests.retention_helpers import chunk_digests, reachable_chunks, renewal_threads
 from tests.test_gc_s3 import s3_repo
-from tests.test_liveness import renewal_threads
 
 pytestmark = pytest.mark.s3
 
