@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_live_writer_idle_past_its_lease_keeps_it_and_its_save_survives_gc(
     tmp_path: Path,
 ) -> None:
-    base = local_repo(tmp_path, leases={"duration": 1.0, "margin": 0.2})
-    slow = SlowChunkWrites(base.blobs, delay=2.5, after=2)  # idle for 2.5 leases mid-save
+    base = local_repo(tmp_path, leases={"duration": 2.0, "margin": 0.3})
+    slow = SlowChunkWrites(base.blobs, delay=5.0, after=2)  # idle for 2.5 leases mid-save
     writer = cas.Repository(slow, base.config)
     done = threading.Event()
     results: list[GCResult] = []
@@ -201,7 +201,7 @@ def test_a_killed_writers_fence_is_listed_nowhere_and_the_next_gc_removes_it(
 
 
 def test_a_writer_refused_for_a_lapsed_lease_takes_its_fence_away(tmp_path: Path) -> None:
-    base = local_repo(tmp_path, leases={"duration": 0.6, "margin": 0.05})
+    base = local_repo(tmp_path, leases={"duration": 1.2, "margin": 0.1})
     frozen = FrozenWriter(base.blobs)
     repo = cas.Repository(frozen, base.config)
     fence = ref_key(RefName("w/new"))
@@ -210,7 +210,7 @@ def test_a_writer_refused_for_a_lapsed_lease_takes_its_fence_away(tmp_path: Path
         entries, _ = repo.write_tensors(sources)
         repo.leases.declare("w/new")
         frozen.freeze()  # the whole process stops, past its lease
-        time.sleep(0.8)
+        time.sleep(1.5)
         local_repo(tmp_path).plan_gc(NO_GRACE).execute()
         assert base.blobs.has(fence)
         frozen.thaw()
