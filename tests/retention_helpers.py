@@ -13,8 +13,47 @@ import torch
 
 import cas
 from cas.blobstore import MemoryBlobStore
+from cas.blobstore.base import BlobStore, BytesLike
+from cas.blobstore.wrapper import BlobStoreWrapper
+from cas.refs.renewal import THREAD_PREFIX
 from cas.repo.config import StoreConfig
 from cas.repo.repository import Repository
+
+
+class FrozenWriter(BlobStoreWrapper):
+    """A writer whose process can be frozen whole (a stopped process, a suspended VM): while
+    frozen, its lease writes wait too, the renewal thread's included, as every thread would."""
+
+    def __init__(self, inner: BlobStore) -> None:
+        super().__init__(inner)
+        self.thawed = threading.Event()
+        self.thawed.set()
+
+    def freeze(self) -> None:
+        """Stop the writer's lease writes from now on (a write in flight still lands)."""
+        self.thawed.clear()
+
+    def thaw(self) -> None:
+        """Let the writer run again."""
+        self.thawed.set()
+
+    def _wait(self, key: str) -> None:
+        if key.startswith("leases/"):
+            assert self.thawed.wait(60)
+
+    def has(self, key: str) -> bool:
+        self._wait(key)
+        return self.inner.has(key)
+
+    def put_transient(self, key: str, data: BytesLike) -> None:
+        self._wait(key)
+        self.inner.put_transient(key, data)
+
+
+def renewal_threads(kind: str = "") -> list[threading.Thread]:
+    """The lease and lock renewal threads running now (``lease`` or ``lock`` ones only)."""
+    prefix = f"{THREAD_PREFIX}-{kind}"
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
 class FakeClock:

@@ -23,7 +23,13 @@ from cas.objects.sweep import TRASH_DIR
 from cas.retention.gc import GCResult, GCSettings
 from tests.gc_workers import CHUNK, state, writer_loop
 from tests.helpers import assert_bit_exact
-from tests.retention_helpers import chunk_digests, local_repo, reachable_chunks, tensor
+from tests.retention_helpers import (
+    FrozenWriter,
+    chunk_digests,
+    local_repo,
+    reachable_chunks,
+    tensor,
+)
 
 NO_GRACE = GCSettings(grace=0, reflog_window=0)
 LEASES = {"duration": 30.0, "margin": 0.05}
@@ -91,13 +97,18 @@ def test_writer_processes_saving_while_gc_runs_lose_no_chunk(tmp_path: Path) -> 
 
 
 def test_writer_paused_past_its_lease_cannot_commit(tmp_path: Path) -> None:
-    repo = local_repo(tmp_path, leases={"duration": 0.6, "margin": 0.05})
-    repo.save(state(1), "w/ckpt_0")
+    base = local_repo(tmp_path, leases={"duration": 0.6, "margin": 0.05})
+    base.save(state(1), "w/ckpt_0")
+    # The whole process stops (every thread, the lease's renewal thread too), not one thread:
+    # a live writer's lease is renewed however long one of its threads waits.
+    frozen = FrozenWriter(base.blobs)
+    repo = cas.Repository(frozen, base.config)
     paused, resume = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def stall_once(_: int) -> None:
         if not paused.is_set():
+            frozen.freeze()
             paused.set()
             resume.wait(10)
 
@@ -113,6 +124,7 @@ def test_writer_paused_past_its_lease_cannot_commit(tmp_path: Path) -> None:
     time.sleep(0.8)  # the writer is stuck past its lease and margin
     result = local_repo(tmp_path).plan_gc(NO_GRACE).execute()
     assert result.reaped_leases == 1 and result.deleted_chunks == 4  # what it had stored
+    frozen.thaw()
     resume.set()
     thread.join()
     assert len(errors) == 1 and "commit aborted" in str(errors[0])
@@ -124,8 +136,10 @@ def test_writer_paused_past_its_lease_cannot_commit(tmp_path: Path) -> None:
     with repo.leases.hold("slow commit"):
         tree, sources = encode_state(state(4))
         entries, _ = repo.write_tensors(sources)
+        frozen.freeze()
         time.sleep(0.8)
         assert local_repo(tmp_path).plan_gc(NO_GRACE).execute().deleted_chunks == 2
+        frozen.thaw()
         try:
             repo.commit(Manifest("state", tuple(entries), tree, created_at=time.time()), "w/ckpt_2")
         except LeaseExpired:

@@ -18,12 +18,14 @@ from cas.blobstore.base import BlobStore, BytesLike, Version
 from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.digest import Digest
 from cas.errors import LeaseExpired
+from cas.names import RefName
 from cas.objects.store import chunk_key
+from cas.refs.keys import ref_key
 from cas.repo.config import StoreConfig
 from cas.retention.gc import GCResult, GCSettings
 from tests.gc_workers import CHUNK, state
 from tests.helpers import assert_bit_exact
-from tests.retention_helpers import chunk_digests, reachable_chunks, tensor
+from tests.retention_helpers import FrozenWriter, chunk_digests, reachable_chunks, tensor
 
 pytestmark = pytest.mark.s3
 
@@ -40,9 +42,10 @@ def s3_repo(url: str, blobs: Callable[[BlobStore], BlobStore] | None = None, **e
     return cas.Repository(blobs(repo.blobs), repo.config)
 
 
-class StallRefWrite(BlobStoreWrapper):
-    """Blocks the first compare-and-swap of ``key`` until ``resume`` is set: a writer frozen
-    between its last lease check and its ref update."""
+class StallRefWrite(FrozenWriter):
+    """Freezes the writer at the first compare-and-swap of ``key`` until ``resume`` is set: a
+    writer process frozen whole (its lease renewals too) between its last lease check and its
+    ref update."""
 
     def __init__(self, inner: BlobStore, key: str) -> None:
         super().__init__(inner)
@@ -52,8 +55,10 @@ class StallRefWrite(BlobStoreWrapper):
 
     def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
         if key == self.key and not self.stalled.is_set():
+            self.freeze()
             self.stalled.set()
             assert self.resume.wait(60)
+            self.thaw()
         return self.inner.put_conditional(key, data, expected)
 
 
@@ -130,7 +135,8 @@ def test_a_writer_paused_past_its_lease_is_refused_and_loses_nothing_on_s3(
     repo = s3_repo(s3_url)
     assert repo.verify(level="full").ok
     assert_bit_exact(repo.load("w/latest"), state(1))
-    assert [r.name for r in repo.refs()] == ["w/latest"]
+    assert [r.name for r in repo.refs()] == repo.ref_names() == ["w/latest"]
+    assert not repo.blobs.has(ref_key(RefName("w/ckpt_1")))  # the refused writer took its fence
     repo.save(state(4), ref)  # a live writer replaces the fence and publishes
     assert_bit_exact(repo.load(ref), state(4))
     assert not repo.plan_gc(NO_GRACE).broken_refs

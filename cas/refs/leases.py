@@ -2,9 +2,9 @@
 
 A writer (``Repository.save``, ``put_path``, ``commit``...) holds a *lease* for the length of the
 write: a small JSON blob ``leases/<writer-id>`` saying who holds it (host, pid), when it started
-and when it expires. The writer refreshes it while it makes progress, has it checked right before
-each ref compare-and-swap (``RefStore`` does it; ``LeaseExpired`` aborts the commit) and deletes
-it afterwards.
+and when it expires. A daemon thread renews it while the writer lives (``cas.refs.renewal``); it is
+checked right before each ref compare-and-swap (``RefStore`` does it; ``LeaseExpired`` aborts the
+commit) and deleted afterwards.
 
 GC reads the leases before it lists anything. A live lease protects every object modified after
 ``lease.started - margin``: everything the writer wrote or reused (``put_chunk`` of an existing
@@ -12,8 +12,8 @@ chunk refreshes its mtime) has an mtime at or after ``started``. A writer whose 
 expired can no longer commit, because the writer stops committing ``margin`` seconds *before*
 expiry and GC treats a lease as live until ``margin`` seconds *after* it; ``margin`` therefore
 covers the clock skew between hosts (and the server's clock for S3 mtimes) plus the time of one
-ref compare-and-swap. See docs/gc.md ("Writer leases") for the whole protocol. The maintenance lock of
-``cas forget`` / ``cas gc`` is the same idea for maintenance runs (``cas.refs.maintenance``).
+ref compare-and-swap. See docs/gc.md ("Writer leases") for the whole protocol. The maintenance
+lock of ``cas forget`` / ``cas gc`` is the same idea for maintenance runs (``cas.refs.maintenance``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import re
 import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import CASError, FormatError, LeaseExpired, NotFound
+from cas.names import RefName
+from cas.refs import fences
 from cas.refs.liveness import process_gone
+from cas.refs.renewal import Renewal, start_renewal
 from cas.refs.sweeps import IDLE, SweepState, read_sweep, settle
 
 LEASES_PREFIX = "leases/"
@@ -41,6 +45,9 @@ LEASE_FORMAT = "cas-lease"
 LEASE_SECTION = "leases"
 """The ``StoreConfig.extra`` section holding ``LeaseSettings``."""
 MAX_LEASE_BLOB = 64 << 10
+RENEWALS_PER_DURATION = 4
+"""A live writer's lease is renewed every ``duration / 4``, so it rides out a failed renewal, or
+a stall of up to ``3/4 duration - margin`` (a minute by default), before it is lost."""
 
 Progress = Callable[[int], None]
 
@@ -49,14 +56,16 @@ Progress = Callable[[int], None]
 class LeaseSettings:
     """How long a writer lease lasts and how much clock slack both sides allow.
 
-    ``duration``: a lease not refreshed for this long expires (writers refresh every quarter of
-    it while they make progress). ``margin``: writers stop committing this long before expiry and
-    GC keeps honouring a lease this long after it, so it must exceed the clock skew between any
-    writer, the GC host and the storage server, plus one ref update.
+    ``duration``: a lease not renewed for this long expires (a writer's renewal thread renews it
+    every quarter of it while the writer lives; the maintenance lock lasts as long). ``margin``:
+    writers stop committing this long before expiry and GC keeps honouring a lease this long
+    after it, so it must exceed the clock skew between any writer, the GC host and the storage
+    server, plus one ref update. A dead remote writer's lease lapses ``duration + margin`` after
+    its last renewal at the latest (docs/gc.md, "Writer leases", explains the figures).
     """
 
-    duration: float = 1800.0
-    margin: float = 120.0
+    duration: float = 120.0
+    margin: float = 30.0
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -119,7 +128,15 @@ def encode_json(doc: dict[str, Any]) -> bytes:
 
 
 class WriterLease:
-    """One writer's lease: acquire, refresh while writing, check before committing, release."""
+    """One writer's lease: acquire, renewed while the writer lives, checked before committing,
+    released.
+
+    A daemon thread renews it every quarter of its duration (``cas.refs.renewal``), so a writer
+    that is alive but idle (a slow disk, a long wait between chunks) keeps it. A renewal counts
+    only if its write returned while the lease it extends was still safely live: a write that
+    returned later may have landed after GC read the lease and found it expired, so the lease is
+    lost for good instead, and no later renewal or commit revives it (docs/gc.md, "Writer leases").
+    """
 
     def __init__(
         self,
@@ -138,6 +155,9 @@ class WriterLease:
         self.expires = 0.0
         self._refreshed = 0.0
         self._lost = ""
+        self._released = False
+        self._renew_error = ""
+        self._renewal: Renewal | None = None
         self._lock = threading.Lock()
         self.commits: tuple[str, ...] = ()
         self.sweep: SweepState = IDLE
@@ -164,15 +184,30 @@ class WriterLease:
     # ones: a lease only matters while its writer runs, so a crash that loses or tears it loses
     # nothing (GC reads an unreadable lease as started at its mtime, which keeps it safe).
 
-    def acquire(self) -> WriterLease:
-        """Write the lease blob and read GC's sweep record; from now on GC spares what this
-        writer touches, and its commits can tell whether a deletion overlapped them."""
-        now = self.clock()
-        self.started = now
+    def _write(self, now: float, deadline: float) -> None:
+        """Write the lease as of ``now``; the new expiry counts only if the write returned before
+        ``deadline`` (the old expiry less the margin), else the lease is lost (held lock)."""
         self.blobs.put_transient(self.key, self._document(now))
+        returned = self.clock()
+        if returned >= deadline:
+            self._lost = (
+                f"a lease write returned at {returned:.3f}, after the lease it extended was "
+                f"safe ({deadline:.3f}); GC may have found it expired meanwhile"
+            )
+            raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
         self._refreshed = now
         self.expires = now + self.settings.duration
+
+    def acquire(self) -> WriterLease:
+        """Write the lease blob, read GC's sweep record and start renewing; from now on GC spares
+        what this writer touches, and its commits can tell whether a deletion overlapped them."""
+        now = self.clock()
+        self.started = now
+        with self._lock:
+            self._write(now, now + self.settings.duration - self.settings.margin)
         self.sweep = read_sweep(self.blobs)
+        period = self.settings.duration / RENEWALS_PER_DURATION
+        self._renewal = start_renewal(self, WriterLease._renew_in_background, period, "lease")
         return self
 
     def declare(self, ref: str) -> None:
@@ -185,9 +220,7 @@ class WriterLease:
             now = self.clock()
             self._raise_if_expired(now)
             self.commits = (*self.commits, ref)
-            self.blobs.put_transient(self.key, self._document(now))
-            self._refreshed = now
-            self.expires = now + self.settings.duration
+            self._write(now, self.expires - self.settings.margin)
 
     def settle(self, missing: Callable[[], Iterable[str]]) -> None:
         """LeaseExpired if a GC deletion that overlapped this write took an object the commit
@@ -195,20 +228,34 @@ class WriterLease:
         settle(self.blobs, self.sweep, self.clock, self.settings.margin, missing)
 
     def refresh(self) -> None:
-        """Extend the lease by ``duration``; LeaseExpired if it already ran out or GC reaped it."""
+        """Extend the lease by ``duration``; LeaseExpired if it already ran out, GC reaped it or
+        it was released."""
         with self._lock:
             now = self.clock()
             self._raise_if_expired(now)
             if not self.blobs.has(self.key):
                 self._lost = "its lease blob is gone (reaped by GC as expired)"
-                raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}")
-            self.blobs.put_transient(self.key, self._document(now))
-            self._refreshed = now
-            self.expires = now + self.settings.duration
+                raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
+            self._write(now, self.expires - self.settings.margin)
+
+    @staticmethod
+    def _renew_in_background(lease: WriterLease) -> bool:
+        """One renewal by the renewal thread; False ends the thread (lost or released). A failed
+        write is remembered for the error the writer sees if its lease then runs out."""
+        try:
+            lease.refresh()
+        except LeaseExpired:
+            return False
+        except CASError as e:
+            lease._renew_error = f"renewing the lease failed: {e}"
+            return True
+        lease._renew_error = ""
+        return True
 
     def maybe_refresh(self) -> None:
-        """Refresh when a quarter of the duration passed since the last refresh."""
-        if self.clock() - self._refreshed >= self.settings.duration / 4:
+        """Refresh when a quarter of the duration passed since the last refresh (progress on the
+        writer's own thread; the renewal thread usually did it already)."""
+        if self.clock() - self._refreshed >= self.settings.duration / RENEWALS_PER_DURATION:
             self.refresh()
 
     def check(self) -> None:
@@ -217,20 +264,37 @@ class WriterLease:
             self._raise_if_expired(self.clock())
 
     def _raise_if_expired(self, now: float) -> None:
+        if self._released:
+            raise LeaseExpired(f"writer lease {self.writer_id} was released; commit aborted")
         if self._lost:
             raise LeaseExpired(f"writer lease {self.writer_id}: {self._lost}; commit aborted")
         if now >= self.expires - self.settings.margin:
+            why = f" ({self._renew_error})" if self._renew_error else ""
             self._lost = (
-                f"expired at {self.expires:.3f} (now {now:.3f}, margin {self.settings.margin:g}s);"
-                " GC may already have collected what this writer stored"
+                f"expired at {self.expires:.3f} (now {now:.3f}, margin {self.settings.margin:g}s)"
+                f"{why}; GC may already have collected what this writer stored"
             )
             raise LeaseExpired(f"writer lease {self.writer_id} {self._lost}; commit aborted")
 
     def release(self) -> None:
-        """Delete the lease blob; a failure here only leaves a lease that will expire."""
+        """Stop renewing and delete the lease blob; a lease that was lost also withdraws from the
+        fences GC put on the refs it declared. Failures only leave a lease that will expire."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            lapsed = bool(self._lost) or self.clock() >= self.expires - self.settings.margin
+        if self._renewal is not None:
+            self._renewal.stop()
+            self._renewal = None
         # An unreleased lease expires by itself; a failure here must not mask the write's result.
         with contextlib.suppress(CASError):
             self.blobs.delete(self.key)
+        if lapsed:
+            # Only a lease that lapsed can have been fenced: GC fences a lease it found expired,
+            # and then this writer finds it expired too.
+            for ref in self.commits:
+                fences.withdraw(self.blobs, RefName(ref), self.writer_id)
 
 
 class LeaseManager:
@@ -243,6 +307,7 @@ class LeaseManager:
         self.clock = clock
         self.settings = settings
         self._local = threading.local()
+        self._active: weakref.WeakSet[WriterLease] = weakref.WeakSet()
 
     def current(self) -> WriterLease | None:
         """The lease this thread holds, if any."""
@@ -255,7 +320,15 @@ class LeaseManager:
         and releases it."""
         if not self.settings.enabled:
             return None
-        return WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        lease = WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        self._active.add(lease)
+        return lease
+
+    def close(self) -> None:
+        """Release every lease still held (a file left open for writing): their renewal threads
+        stop and their writes can no longer commit."""
+        for lease in list(self._active):
+            lease.release()
 
     @contextmanager
     def hold(self, purpose: str = "write") -> Iterator[WriterLease | None]:
@@ -269,6 +342,7 @@ class LeaseManager:
             yield existing
             return
         lease = WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        self._active.add(lease)
         self._local.lease = lease
         try:
             yield lease

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,7 +26,10 @@ from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import BackendError, CASError, LockHeld, NotFound, PreconditionFailed
+from cas.refs import fences
+from cas.refs.fences import FenceEntry
 from cas.refs.leases import (
+    RENEWALS_PER_DURATION,
     LeaseManager,
     LeaseRecord,
     LeaseSettings,
@@ -33,13 +38,15 @@ from cas.refs.leases import (
     writer_id,
 )
 from cas.refs.liveness import process_gone
+from cas.refs.renewal import Renewal, start_renewal
 from cas.refs.sweeps import SWEEP_KEY, SweepWindows
 
 MAINTENANCE_LOCK_KEY = "locks/maintenance"
 LOCK_FORMAT = "cas-lock"
-LOCK_DURATION = 600.0
-"""How long a maintenance lock lasts unless refreshed (GC refreshes it every sweep batch); a dead
-holder blocks no longer, and one on the same host not at all."""
+LOCK_DURATION = LeaseSettings.duration
+"""How long a maintenance lock lasts unless renewed, by default (``MaintenanceService`` uses the
+store's lease duration): a renewal thread renews it every quarter of that while its run lives, so
+a dead holder blocks the next run no longer than this, and one on the same host not at all."""
 STATE_PREFIX = "state/"
 """Where small documents of maintenance runs live (the clock probe, the verify sampler)."""
 CLOCK_PROBE_KEY = STATE_PREFIX + "gc-clock"
@@ -93,8 +100,11 @@ def parse_lock(data: bytes) -> LockHolder | None:
 class MaintenanceLock:
     """The store-wide lock of ``cas forget`` and ``cas gc``: a create-only blob with an expiry.
 
-    A lock whose holder died is taken over once it expired (by compare-and-swap, so two
-    contenders never both win). Long runs call ``refresh`` between phases.
+    While held, a daemon thread renews it by compare-and-swap every quarter of its duration
+    (``cas.refs.renewal``), so a long run keeps it and a killed one stops blocking once it
+    expires. A lock whose holder died is taken over once it expired (by compare-and-swap, so two
+    contenders never both win); the run that lost it learns so at its next renewal and stops
+    deleting before the taker could start (``safe_until``).
     """
 
     def __init__(
@@ -110,10 +120,15 @@ class MaintenanceLock:
         self.operation = operation
         self.duration = duration
         self.holder = writer_id()
+        self.expires = 0.0
+        """The expiry of the last write of the lock known to have landed."""
         self._version: Version | None = None
+        self._lost = ""
+        self._failed = ""
+        self._renewal: Renewal | None = None
+        self._mutex = threading.Lock()
 
-    def _document(self) -> bytes:
-        now = self.clock()
+    def _document(self, now: float) -> bytes:
         return encode_json(
             {
                 "format": LOCK_FORMAT,
@@ -128,14 +143,18 @@ class MaintenanceLock:
         )
 
     def acquire(self) -> MaintenanceLock:
-        """Take the lock or raise LockHeld naming who holds it and until when."""
+        """Take the lock or raise LockHeld naming who holds it and until when; then keep it
+        renewed until ``release``."""
         try:
-            return self._take()
+            self._take()
         except (LockHeld, PreconditionFailed):
             raise
         except CASError:
             self._abandon()
             raise
+        period = self.duration / RENEWALS_PER_DURATION
+        self._renewal = start_renewal(self, MaintenanceLock._renew_in_background, period, "lock")
+        return self
 
     def _abandon(self) -> None:
         """Remove the lock a write that reported failure stored all the same (an fsync failed
@@ -146,10 +165,14 @@ class MaintenanceLock:
             if holder is not None and holder.holder == self.holder:
                 self.blobs.delete_conditional(MAINTENANCE_LOCK_KEY, version)
 
-    def _take(self) -> MaintenanceLock:
+    def _take(self) -> None:
+        now = self.clock()
         try:
-            self._version = self.blobs.put_conditional(MAINTENANCE_LOCK_KEY, self._document(), None)
-            return self
+            self._version = self.blobs.put_conditional(
+                MAINTENANCE_LOCK_KEY, self._document(now), None
+            )
+            self.expires = now + self.duration
+            return
         except PreconditionFailed:
             pass
         try:
@@ -168,28 +191,69 @@ class MaintenanceLock:
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(holder.expires))} UTC; "
                 "try again later (or `cas unlock` if that process is gone)"
             )
+        now = self.clock()
         try:
             self._version = self.blobs.put_conditional(
-                MAINTENANCE_LOCK_KEY, self._document(), version
+                MAINTENANCE_LOCK_KEY, self._document(now), version
             )
         except PreconditionFailed as e:
             raise LockHeld("another maintenance run took the store's lock just now") from e
-        return self
+        self.expires = now + self.duration
 
     def refresh(self) -> None:
-        """Extend the lock; LockHeld if someone took it over (it had expired)."""
+        """Extend the lock now; LockHeld if it was lost (taken over after it expired, or
+        removed by ``cas unlock``)."""
+        with self._mutex:
+            if self._lost:
+                raise LockHeld(f"{self.operation}: {self._lost}; stopping")
+            if self._version is None:
+                return  # released
+            now = self.clock()
+            try:
+                self._version = self.blobs.put_conditional(
+                    MAINTENANCE_LOCK_KEY, self._document(now), self._version
+                )
+            except (PreconditionFailed, NotFound) as e:
+                self._lost = "the maintenance lock expired and was taken over, or was removed"
+                raise LockHeld(f"{self.operation}: {self._lost}; stopping") from e
+            except CASError as e:
+                self._failed = f"renewing it failed: {e}"
+                raise type(e)(f"{self.operation}: renewing the maintenance lock: {e}") from e
+            self._failed = ""
+            self.expires = now + self.duration
+
+    @staticmethod
+    def _renew_in_background(lock: MaintenanceLock) -> bool:
+        """One renewal by the renewal thread; False ends the thread (the lock was lost). A
+        failed write is retried at the next period: the run stops deleting if none lands."""
         try:
-            self._version = self.blobs.put_conditional(
-                MAINTENANCE_LOCK_KEY, self._document(), self._version
-            )
-        except (PreconditionFailed, NotFound) as e:
-            raise LockHeld("the maintenance lock expired and was taken over; stopping") from e
+            lock.refresh()
+        except LockHeld:
+            return False
+        except CASError:
+            return True
+        return True
+
+    @property
+    def trouble(self) -> str:
+        """Why the lock may be lost (taken over, or its last renewal failed), or ``""``."""
+        with self._mutex:
+            return self._lost or self._failed
+
+    def safe_until(self) -> float:
+        """Until when (this host's clock) no other run can have taken the lock over."""
+        with self._mutex:
+            return -math.inf if self._lost else self.expires
 
     def release(self) -> None:
-        """Remove the lock if it is still ours."""
-        if self._version is None:
-            return
-        version, self._version = self._version, None
+        """Stop renewing and remove the lock if it is still ours."""
+        if self._renewal is not None:
+            self._renewal.stop()
+            self._renewal = None
+        with self._mutex:
+            if self._version is None:
+                return
+            version, self._version = self._version, None
         try:
             # If it was taken over after expiring, it is someone else's now: leave it.
             with contextlib.suppress(PreconditionFailed, NotFound):
@@ -258,15 +322,15 @@ class MaintenanceService:
 
     @contextmanager
     def lock(
-        self, operation: str, *, enabled: bool = True, duration: float = LOCK_DURATION
+        self, operation: str, *, enabled: bool = True, duration: float | None = None
     ) -> Iterator[MaintenanceLock | None]:
-        """Hold the maintenance lock for the block (``enabled=False``: the caller holds it)."""
+        """Hold the maintenance lock for the block (``enabled=False``: the caller holds it); it
+        lasts ``duration`` unless renewed, by default the store's lease duration."""
         if not enabled:
             yield None
             return
-        with MaintenanceLock(
-            self.blobs, self.clock, operation=operation, duration=duration
-        ) as held:
+        lasts = self.settings.duration if duration is None else duration
+        with MaintenanceLock(self.blobs, self.clock, operation=operation, duration=lasts) as held:
             outer, self._held = self._held, held
             try:
                 yield held
@@ -274,14 +338,28 @@ class MaintenanceService:
                 self._held = outer
 
     def refresh_lock(self) -> None:
-        """Extend the maintenance lock this service holds (no-op when the caller holds it)."""
+        """Extend the maintenance lock this service holds now, besides its renewal thread
+        (no-op when the caller holds it); LockHeld if it was lost."""
         if self._held is not None:
             self._held.refresh()
 
     def sweep_windows(self) -> SweepWindows:
-        """GC's announcements of its batches of deletions (``cas.refs.sweeps``)."""
-        holder = self._held.holder if self._held is not None else writer_id()
-        return SweepWindows(self.blobs, self.clock, holder, self.settings.margin)
+        """GC's announcements of its batches of deletions (``cas.refs.sweeps``); a batch stops
+        deleting ``margin`` before the lock could be taken over. A window lasts as long as a
+        lease, so a GC that died mid-batch holds up commits no longer than a dead writer would."""
+        held = self._held
+        holder = held.holder if held is not None else writer_id()
+        margin, duration = self.settings.margin, self.settings.duration
+        return SweepWindows(self.blobs, self.clock, holder, margin, held, duration)
+
+    def stale_fences(self, now: float) -> list[FenceEntry]:
+        """The fence records no writer can need any more at ``now``, and stale index entries
+        (``cas.refs.fences``): what GC removes."""
+        return [entry for entry in fences.read_fences(self.blobs) if entry.removable(now)]
+
+    def remove_fence(self, entry: FenceEntry) -> bool:
+        """Remove a fence record ``stale_fences`` listed, unless it changed since; whether it went."""
+        return fences.remove(self.blobs, entry)
 
     def lock_holder(self) -> LockHolder | None:
         """Who holds the maintenance lock (None when it is free or unreadable)."""

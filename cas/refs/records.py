@@ -71,12 +71,30 @@ class RefRecord:
         return segments.total(self.history, self.sealed)
 
 
-class FencedRef(NotFound):
-    """The ref's blob is a fence record (no such ref); ``version`` is what a creator replaces."""
+@dataclass(frozen=True)
+class FencedWriter:
+    """A writer whose commit a fence record stops: who it was and where it ran."""
 
-    def __init__(self, message: str, version: Version | None) -> None:
+    writer: str
+    host: str
+    pid: int
+
+
+class FencedRef(NotFound):
+    """The ref's blob is a fence record (no such ref); ``version`` is what a creator replaces,
+    ``writers`` the writers it fences and ``at`` when GC first wrote it (its clock)."""
+
+    def __init__(
+        self,
+        message: str,
+        version: Version | None,
+        writers: tuple[FencedWriter, ...] = (),
+        at: float = 0.0,
+    ) -> None:
         super().__init__(message)
         self.version = version
+        self.writers = writers
+        self.at = at
 
 
 def encode_ref(record: RefRecord, *, fence: str = "") -> bytes:
@@ -96,9 +114,19 @@ def encode_ref(record: RefRecord, *, fence: str = "") -> bytes:
     return packed
 
 
-def encode_fence(name: RefName, token: str) -> bytes:
-    """A fence record: stands where no ref is, so a paused creator's create-only write fails."""
-    doc = {"format": REF_FORMAT, "version": REF_VERSION_FENCE, "name": name, "fence": token}
+def encode_fence(
+    name: RefName, token: str, writers: tuple[FencedWriter, ...] = (), at: float = 0.0
+) -> bytes:
+    """A fence record: stands where no ref is, so a paused creator's create-only write fails.
+    ``writers`` are the writers it stops; it may go once none of them can write again."""
+    doc = {
+        "format": REF_FORMAT,
+        "version": REF_VERSION_FENCE,
+        "name": name,
+        "fence": token,
+        "writers": [[w.writer, w.host, w.pid] for w in writers],
+        "at": at,
+    }
     packed: bytes = msgpack.packb(doc)
     return packed
 
@@ -122,7 +150,7 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
         if not isinstance(doc, dict) or doc.get("format") != REF_FORMAT:
             raise FormatError(f"ref {name!r} is not a cas ref")
         if doc.get("version") == REF_VERSION_FENCE and "target" not in doc:
-            raise FencedRef(f"no ref named {name!r} (a fenced commit's record)", version)
+            raise _fence(name, doc, version)
         if doc.get("version") not in (REF_VERSION, REF_VERSION_SEALED):
             raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
         history = unpack_events(doc["history"])
@@ -137,6 +165,45 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
         raise
     except Exception as e:
         raise FormatError(f"ref {name!r} is corrupt: {e}") from e
+
+
+def read_fence(data: bytes, version: Version | None) -> FencedRef | None:
+    """The fence a ref blob holds, or None when it holds none (a ref, or something damaged)."""
+    try:
+        doc: Any = msgpack.unpackb(data, raw=False)
+    except Exception:
+        return None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != REF_FORMAT
+        or doc.get("version") != REF_VERSION_FENCE
+        or "target" in doc
+    ):
+        return None
+    return _fence(str(doc.get("name", "?")), doc, version)
+
+
+def _fence(name: str, doc: dict[str, Any], version: Version | None) -> FencedRef:
+    at = doc.get("at", 0.0)
+    return FencedRef(
+        f"no ref named {name!r} (a fenced commit's record)",
+        version,
+        _fenced_writers(doc.get("writers")),
+        float(at) if isinstance(at, (int, float)) else 0.0,
+    )
+
+
+UNKNOWN_WRITER = FencedWriter("?", "", 0)
+"""Stands for the writers of a fence record that does not say (or garbles) whom it fences: one
+never known to be dead, so only age removes that record."""
+
+
+def _fenced_writers(raw: Any) -> tuple[FencedWriter, ...]:
+    try:
+        writers = tuple(FencedWriter(str(w), str(h), int(p)) for w, h, p in raw)
+    except (TypeError, ValueError):
+        return (UNKNOWN_WRITER,)
+    return writers or (UNKNOWN_WRITER,)
 
 
 def _count(value: Any) -> int:

@@ -35,7 +35,7 @@ from cas.model.manifest import Manifest, decode_manifest, encode_manifest
 from cas.names import RefName, parse_ref_name, ref_matches
 from cas.objects.keys import ObjectKind
 from cas.objects.store import ObjectStore
-from cas.refs import segments
+from cas.refs import fences, segments
 from cas.refs.keys import (
     is_hashed_key,
     legacy_key,
@@ -47,6 +47,7 @@ from cas.refs.leases import LeaseManager
 from cas.refs.records import (
     MAX_REF_BLOB,
     FencedRef,
+    FencedWriter,
     RefEvent,
     RefRecord,
     SealedHistory,
@@ -212,12 +213,15 @@ class RefStore:
     def names(self, selector: str = "") -> Iterator[RefName]:
         """Ref names selected by a prefix, exact name or glob, sorted.
 
-        Names are read from keys; only a name too long for its key (``cas.refs.keys``) is read
-        from its record, and left out when that record is damaged (``scan`` reports it).
+        Names are read from keys; only a name too long for its key (``cas.refs.keys``), or a key
+        the fence index lists (``cas.refs.fences``), is read from its record, and left out when
+        that record is damaged (``scan`` reports it) or is a fence record (no ref).
         """
         found = set()
-        for key in self._keys(selector):
-            if is_hashed_key(key):
+        keys = self._keys(selector)
+        fenced = fences.indexed_keys(self.blobs, self._prefix(selector)) if keys else set()
+        for key in keys:
+            if is_hashed_key(key) or key in fenced:
                 scanned = self._scan_key(key)
                 name = scanned.record.name if scanned and scanned.record else None
             else:
@@ -227,8 +231,11 @@ class RefStore:
         yield from sorted(found)
 
     def _keys(self, selector: str) -> list[str]:
-        literal = selector.split("*")[0].split("?")[0].split("[")[0]
-        return list(self.blobs.list(listing_prefix(literal)))
+        return list(self.blobs.list(self._prefix(selector)))
+
+    @staticmethod
+    def _prefix(selector: str) -> str:
+        return listing_prefix(selector.split("*")[0].split("?")[0].split("[")[0])
 
     def records(self, selector: str = "") -> list[RefRecord]:
         """Records of the refs a prefix, exact name or glob selects, sorted by name; a ref
@@ -379,17 +386,34 @@ class RefStore:
             gone.extend(f"chunk {d}" for d, ok in found.items() if not ok)
         return gone
 
-    def fence(self, name: str) -> Digest | None:
+    def fence(
+        self, name: str, writers: tuple[FencedWriter, ...] = (), at: float = 0.0
+    ) -> Digest | None:
         """Change ``name``'s blob so that a compare-and-swap prepared before now fails: GC's fence
         of a commit an expired lease declared. The record stays as it was, with a fresh token; an
-        absent ref gets a fence record. Returns the ref's target (None: absent)."""
+        absent ref gets a fence record naming ``writers`` (added to those of a fence already
+        there), indexed first so no listing shows it. Returns the ref's target (None: absent)."""
         ref = parse_ref_name(name)
         for _ in range(UPDATE_ATTEMPTS):
-            current, version = self._current(ref)
             token = uuid.uuid4().hex
-            data = encode_ref(current, fence=token) if current else encode_fence(ref, token)
-            if current is not None and current.legacy_key is not None:
-                version = None  # a long name's record still at its old key: the new key wins
+            current: RefRecord | None = None
+            version: Version | None = None
+            try:
+                current = self.get(ref)
+                version = current.version
+            except FencedRef as e:
+                version, at = e.version, e.at or at
+                known = {w.writer for w in e.writers}
+                writers = (*e.writers, *(w for w in writers if w.writer not in known))
+            except NotFound:
+                pass
+            if current is None:
+                self.blobs.put(fences.index_key(ref_key(ref)), b"")
+                data = encode_fence(ref, token, writers, at)
+            else:
+                data = encode_ref(current, fence=token)
+                if current.legacy_key is not None:
+                    version = None  # a long name's record still at its old key: the new key wins
             try:
                 self.blobs.put_conditional(ref_key(ref), data, version)
             except (PreconditionFailed, NotFound):

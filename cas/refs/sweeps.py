@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import CASError, LeaseExpired, LockHeld, NotFound, PreconditionFailed
@@ -26,9 +27,21 @@ from cas.refs.liveness import process_gone
 SWEEP_KEY = "state/gc-sweep"
 SWEEP_FORMAT = "cas-gc-sweep"
 SWEEP_WINDOW = 300.0
-"""How long one announced batch may take; a GC that died mid-batch blocks commits no longer."""
+"""How long one announced batch may take unless told (GC passes the store's lease duration), and
+how long an unreadable record counts as a batch in progress."""
 POLL = 0.05
 """How often a committing writer looks whether the batch in progress has ended."""
+
+
+class HeldLock(Protocol):
+    """The maintenance lock as a sweep sees it (``cas.refs.maintenance.MaintenanceLock``)."""
+
+    @property
+    def trouble(self) -> str:
+        """Why the lock may be lost (a failed renewal, a takeover), or ``""``."""
+
+    def safe_until(self) -> float:
+        """Until when (this host's clock) no other run can have taken the lock over."""
 
 
 class CollectedDuringWrite(LeaseExpired):
@@ -87,12 +100,15 @@ class SweepWindows:
         clock: Callable[[], float],
         holder: str,
         margin: float,
+        lock: HeldLock | None = None,
         duration: float = SWEEP_WINDOW,
     ) -> None:
         self.blobs = blobs
         self.clock = clock
         self.holder = holder
         self.margin = margin
+        self.lock = lock
+        """The maintenance lock of the run: deleting stops ``margin`` before it could be lost."""
         self.duration = duration
         self.expires = 0.0
         self._version = read_sweep(blobs).version
@@ -133,13 +149,23 @@ class SweepWindows:
         self._write("idle")
 
     def guard(self) -> None:
-        """Raise unless a delete may still run now: inside a window, ``margin`` before its end."""
+        """Raise unless a delete may still run now: inside a window and while the maintenance
+        lock is surely held, ``margin`` before either ends. Another run can take the lock over
+        only after it expired, so two runs' batches never overlap."""
         now = self.clock()
         if now >= self.expires - self.margin:
             raise LockHeld(
                 f"gc sweep: batch {self.batches} outlasted its window (expired at "
                 f"{self.expires:.3f}, now {now:.3f}); stopping, nothing more deleted"
             )
+        if self.lock is not None:
+            until = self.lock.safe_until()
+            if now >= until - self.margin:
+                why = self.lock.trouble or "its renewals did not land in time"
+                raise LockHeld(
+                    f"gc sweep: batch {self.batches}: the maintenance lock may be lost (safe "
+                    f"until {until:.3f}, now {now:.3f}: {why}); stopping, nothing more deleted"
+                )
 
 
 def settle(

@@ -124,7 +124,9 @@ class RepositoryCore(RefOperations):
         return self.blobs.url
 
     def close(self) -> None:
-        """Release threads and connections (the store's only if this repository owns it)."""
+        """Release threads, connections and leases still held (the store's only if this
+        repository owns it)."""
+        self.leases.close()
         self.io.close()
         if self.owns_blobs:
             self.blobs.close()

@@ -36,8 +36,9 @@ from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import decode_manifest
 from cas.objects.keys import ObjectKind
 from cas.objects.sweep import Window
+from cas.refs.fences import FenceEntry
 from cas.refs.leases import LeaseRecord
-from cas.refs.records import RefRecord
+from cas.refs.records import FencedWriter, RefRecord
 from cas.refs.stores import Stores
 from cas.units import format_duration, format_size, parse_duration
 
@@ -134,6 +135,8 @@ class GCPlan:
     """Refs whose manifest is missing: set aside (they protect nothing), reported."""
     kept_manifests: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
     """Every manifest the plan keeps as a root."""
+    stale_fences: tuple[FenceEntry, ...] = field(default=(), repr=False, compare=False)
+    """Fence records no writer can need any more (docs/gc.md, "Removing fence records"): removed."""
 
     @property
     def freed_bytes(self) -> int:
@@ -165,6 +168,7 @@ class GCPlan:
             "delete_tmp_files": len(self.tmp_files),
             "delete_tmp_bytes": self.tmp_bytes,
             "reap_leases": len(self.expired_leases),
+            "remove_fences": len(self.stale_fences),
             "broken_refs": list(self.broken_refs),
             "freed_bytes": self.freed_bytes,
             "waiting_bytes": self.waiting_bytes,
@@ -195,9 +199,10 @@ class GCPlan:
         """Fence every ref an expired lease declared, so its writer can never publish; False if
         one was published after planning to a manifest the plan does not keep (plan again)."""
         for lease in self.expired_leases:
+            writer = (FencedWriter(lease.writer, lease.host, lease.pid),)
             for ref in lease.commits:
                 try:
-                    target = self.stores.refs.fence(ref)
+                    target = self.stores.refs.fence(ref, writer, self.now)
                 except CASError as e:
                     raise type(e)(f"gc stopped before deleting: fencing ref {ref!r}: {e}") from e
                 if target is not None and target not in self.kept_manifests:
@@ -224,6 +229,12 @@ class GCPlan:
         reaped = 0
         for lease in self.expired_leases:
             reaped += maintenance.reap(lease)
+        fences_removed = 0
+        for entry in self.stale_fences:
+            try:
+                fences_removed += maintenance.remove_fence(entry)
+            except CASError as e:
+                raise type(e)(f"gc: removing the fence record {entry.key!r}: {e}") from e
         return GCResult(
             deleted_chunks=tally.counts[ObjectKind.CHUNK],
             deleted_chunk_bytes=tally.bytes[ObjectKind.CHUNK],
@@ -235,6 +246,7 @@ class GCPlan:
             deleted_tmp_bytes=tmp_bytes,
             reaped_leases=reaped,
             restored_from_trash=restored,
+            removed_fences=fences_removed,
             seconds=time.monotonic() - started,
         )
 
@@ -256,6 +268,8 @@ class GCPlan:
             f"{len(self.tmp_files)} stale temp files ({human_bytes(self.tmp_bytes)}), "
             f"{len(self.expired_leases)} expired leases",
         ]
+        if self.stale_fences:
+            lines[-1] += f", {len(self.stale_fences)} fence records no writer needs"
         for lease in self.live_leases:
             lines.append(
                 f"  live writer lease {lease.writer} ({lease.purpose}) since {_when(lease.started)}: "
@@ -301,6 +315,8 @@ class GCResult:
     restored_from_trash: int
     """Objects a killed earlier run left in ``tmp/gc-trash``, put back."""
     seconds: float
+    removed_fences: int = 0
+    """Fence records removed because no writer they fence can write again."""
 
     @property
     def freed_bytes(self) -> int:
@@ -386,6 +402,7 @@ def plan_gc(
         chunk_scan = _scan_chunks(stores, marked, cutoff, held - needed, settings.grace)
         tmp_cutoff = min(cutoff, now - TMP_MIN_AGE)
         tmp = sweeper.stale_tmp(tmp_cutoff)
+        stale_fences = tuple(maintenance.stale_fences(now))
         waiting = _Waiting(chunk_scan.waiting_bytes, chunk_scan.waiting_until)
         for root in roots.keys() - current - segments:
             if root in manifest_infos:
@@ -424,6 +441,7 @@ def plan_gc(
         waiting_until=waiting.until,
         broken_refs=tuple(sorted(r.name for r in records if r.target in missing)),
         kept_manifests=frozenset(d for d in roots if d not in missing),
+        stale_fences=stale_fences,
     )
 
 
