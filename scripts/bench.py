@@ -230,6 +230,16 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
     rows["dcp"]["load"] = timed(dcp_load, repeat)
     rows["cas"] = {"save": timed(cas_save, repeat, reset(store_dir))}
     rows["cas"]["resave10"] = timed(cas_resave, repeat, cas_store_with_state)
+    torch_save()  # the file cas put ingests, as a cron job would
+    put_dir = work / "put-store"
+
+    def cas_put() -> None:
+        repo = cas.open(put_dir)
+        repo.put_path(pt, f"bench/put{next(counter)}")
+        repo.close()
+
+    results["put_pt_s"] = timed(cas_put, repeat, reset(put_dir))
+    reset(put_dir)()
     repo = cas.open(store_dir)
     rows["cas"]["load"] = timed(lambda: touch(repo.load("bench/base")), repeat)
     rows["cas"]["load_mmap"] = timed(lambda: touch(repo.load("bench/base", mmap=True)), repeat)
@@ -281,6 +291,7 @@ def print_core(results: dict[str, Any]) -> None:
             f"{row['load']:>9.2f}{row['load_gbps']:>8.2f}"
         )
     print(f"cas load with mmap: {results['rows']['cas']['load_mmap']:.2f} s")
+    print(f"cas put of torch.save's .pt file (into an empty store): {results['put_pt_s']:.2f} s")
     print(
         "(safetensors' load maps the file without copying, so a warm load costs only page faults)"
     )
