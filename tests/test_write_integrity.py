@@ -283,6 +283,31 @@ def test_get_onto_a_full_disk_fails_in_one_line_and_leaves_no_file(
     assert (small_disk / "weights.bin").read_bytes() == data
 
 
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_exporting_a_saved_state_onto_a_full_disk_fails_in_one_line_and_leaves_no_file(
+    small_disk: Path, tmp_path: Path, fmt: str
+) -> None:
+    store = tmp_path / "store"
+    import torch
+
+    state = {"w": torch.from_numpy(np.random.default_rng(9).standard_normal(1 << 20, np.float32))}
+    cas.open(store).save(state, "runs/a")
+    ballast = fill(small_disk, leave=1 << 20)
+    target = small_disk / f"weights.{fmt}"
+    get = cas_cli(store, "get", "runs/a", str(target), "--format", fmt)
+    assert_refused_in_one_line(get, "No space left on device")
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ballast"]
+    ballast.unlink()
+    assert cas_cli(store, "get", "runs/a", str(target), "--format", fmt).returncode == 0
+    if fmt == "pt":
+        back = torch.load(target, weights_only=True)["w"]
+    else:
+        from safetensors.torch import load_file
+
+        back = load_file(target)["w"]
+    assert torch.equal(back, state["w"])
+
+
 def test_save_on_a_full_disk_raises_one_line_and_commits_nothing(small_disk: Path) -> None:
     store = small_disk / "store"
     repo = cas.open(store, config=StoreConfig(chunk_size=256 << 10))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -60,8 +61,16 @@ def write_safetensors(
     def write(temp_path: str) -> None:
         try:
             save_file(prepared, temp_path, metadata=meta)
-        except (ValueError, RuntimeError, TypeError) as e:
-            raise FormatError(f"cannot write {os.fspath(path)} as safetensors: {e}") from e
+        except Exception as e:
+            # The library reports a failed write as its own error type with the OS error in
+            # its text: give it back as the OSError it was, so a full disk reads as one.
+            found = _OS_ERROR.search(str(e))
+            if found is not None:
+                code = int(found.group(1))
+                raise OSError(code, os.strerror(code), os.fspath(path)) from e
+            if isinstance(e, (ValueError, RuntimeError, TypeError)):
+                raise FormatError(f"cannot write {os.fspath(path)} as safetensors: {e}") from e
+            raise
 
     _atomic_write(path, write)
 
@@ -75,10 +84,47 @@ def write_torch(obj: object, path: str | os.PathLike[str]) -> None:
     import torch
 
     def write(temp_path: str) -> None:
-        with open(temp_path, "wb") as stream:
-            torch.save(obj, stream)
+        try:
+            with open(temp_path, "wb") as raw:
+                stream = _RememberingWriter(raw)
+                try:
+                    torch.save(obj, stream)
+                except RuntimeError as e:
+                    # torch's archive writer turns a failed write into "unexpected pos ...":
+                    # the OSError it swallowed (a full disk, an I/O error) is the reason.
+                    if stream.failure is None:
+                        raise
+                    raise stream.failure from e
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from e
 
     _atomic_write(path, write)
+
+
+class _RememberingWriter:
+    """A binary file that keeps the first OSError its writes raised."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.failure: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written: int = self._raw.write(data)
+        except OSError as e:
+            self.failure = self.failure or e
+            raise
+        return written
+
+    def flush(self) -> None:
+        try:
+            self._raw.flush()
+        except OSError as e:
+            self.failure = self.failure or e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
 
 
 def flatten_state(state: object) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -167,6 +213,9 @@ def _standalone_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.
             storages_seen.add(storage.data_ptr())
         prepared[name] = t
     return prepared
+
+
+_OS_ERROR = re.compile(r"os error (\d+)")
 
 
 def _atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:

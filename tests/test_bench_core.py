@@ -1,0 +1,39 @@
+"""The core benchmark still runs and reports its peers, the disk's floor and cas side by side.
+
+Its figures are not checked (timings belong to benchmarks, not tests); only that one quick run
+produces every row the closing figures are read from.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_core_benchmark_reports_every_peer_the_floor_and_cas_put_in_one_run(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench.json"
+    options = ["--quick", "--size-gb", "0.02", "--sections", "core", "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *options, "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    core = json.loads(out.read_text())["sections"]["core"]
+    assert set(core["rows"]) == {"torch.save", "safetensors", "dcp", "cas"}
+    assert set(core["ceiling_s"]) == {"one file", "parallel"}
+    assert all(seconds > 0 for seconds in core["ceiling_s"].values())
+    assert core["put_pt_s"] > 0
+    assert set(core["targets"]) == {
+        "first_save_vs_torch_save_throughput",
+        "resave10_vs_torch_save_time",
+        "load_vs_torch_load_speed",
+    }
+    assert "durable write of the same bytes" in run.stdout
