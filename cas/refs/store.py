@@ -441,18 +441,7 @@ class RefStore:
         in the ref's history, because the write is conditional on the record just read.
         """
         ref = parse_ref_name(name)
-
-        def point(current: RefRecord | None) -> Digest:
-            if expected is not ...:
-                found = current.target if current else None
-                if found != expected:
-                    raise RefConflict(
-                        f"ref {ref!r} moved: expected {_short(expected)}, found {_short(found)}"
-                        f"; the new manifest {target} is stored, retry or point a ref at it"
-                    )
-            return target
-
-        record = self.update(ref, point, op=op, message=message)
+        record = self.update(ref, pointing(ref, target, expected), op=op, message=message)
         assert record is not None
         return record
 
@@ -551,6 +540,22 @@ class RefStore:
 
         self.update(ref, remove, op="delete")
         return removed[-1]
+
+
+def pointing(ref: RefName, target: Digest, expected: Digest | object | None = ...) -> UpdateFn:
+    """The update function of ``RefStore.set``: ``target``, after checking ``expected``."""
+
+    def point(current: RefRecord | None) -> Digest:
+        if expected is not ...:
+            found = current.target if current else None
+            if found != expected:
+                raise RefConflict(
+                    f"ref {ref!r} moved: expected {_short(expected)}, found {_short(found)}"
+                    f"; the new manifest {target} is stored, retry or point a ref at it"
+                )
+        return target
+
+    return point
 
 
 def _plain_name(key: str) -> RefName | None:
