@@ -75,6 +75,11 @@ class RefOperations:
         for listings that must not let one damaged ref hide the rest."""
         return list_refs(self.refs_store, selector)
 
+    def local_ref_change(self) -> int:
+        """A number that changes whenever this process creates, moves or removes a ref of this
+        store (``RefStore.local_change``): for caches of refs to drop what it changed at once."""
+        return self.refs_store.local_change()
+
     def ref_events(self, ref: str | RefRecord) -> Iterator[RefEvent]:
         """The ref's whole history, newest first, read lazily (sealed segments only if reached)."""
         record = ref if isinstance(ref, RefRecord) else self.refs_store.get(ref)
