@@ -465,6 +465,20 @@ def test_a_lightning_rerun_keeps_the_previous_runs_checkpoints_as_local_disk_wou
     assert step == 4 and torch.equal(weights, second.net.weight.detach())
 
 
+@pytest.mark.parametrize("route", LIGHTNING_ROUTES)
+def test_lightning_last_after_a_rerun_is_the_reruns_last_checkpoint(
+    tmp_path: Path, cas_store_env: Path, route: str
+) -> None:
+    lightning_run(tmp_path, route, max_steps=4)  # last.ckpt at step 4
+    _, second, repo = lightning_run(tmp_path, route, max_steps=6)  # last-v1.ckpt at step 6
+    assert stored_lightning_checkpoint(repo, route, "last-v1.ckpt")["global_step"] == 6
+
+    _, resumed, _ = lightning_run(tmp_path, route, max_steps=8, ckpt_path="last")
+    step, weights = resumed.started
+    assert step == 6, "resumed from the first run's last.ckpt, not the newest last"
+    assert torch.equal(weights, second.net.weight.detach())
+
+
 @pytest.mark.parametrize("protect", ["runs/lit/**", "**/last.ckpt"])
 def test_lightning_moves_last_at_every_save_though_the_policy_protects_it(
     tmp_path: Path, cas_store_env: Path, protect: str

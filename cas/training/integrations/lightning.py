@@ -112,9 +112,11 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
 
 
 def _last_pattern(callback: ModelCheckpoint) -> re.Pattern[str]:
-    """The file names Lightning counts as a callback's last checkpoint (``last.ckpt``, ``last-v1.ckpt``)."""
+    """The file names Lightning counts as a callback's last checkpoint (``last.ckpt``,
+    ``last-v1.ckpt``): as its own ``_find_last_checkpoints``, any whose stem starts with the
+    last name and whose suffix is the checkpoint extension."""
     name, ext = re.escape(callback.CHECKPOINT_NAME_LAST or ""), re.escape(callback.FILE_EXTENSION)
-    return re.compile(rf"^{name}(-(\d+))?{ext}$")
+    return re.compile(rf"^{name}.*{ext}$", re.DOTALL)
 
 
 def _is_last(name: str) -> bool:
