@@ -57,10 +57,13 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     if codec:
         standalone_codec(codec, 1)  # an unknown name is an error here
         config = replace(config, codec=codec)
-    from cas.errors import AlreadyExists
+    from cas.errors import AlreadyExists, NotFound
     from cas.repo.opening import open as open_store
 
-    repo = open_store(obj.store, config=config.validate())
+    try:  # an existing store's settings are compared below, with the options given
+        repo = open_store(obj.store, create=False)
+    except NotFound:
+        repo = open_store(obj.store, config=config.validate())
     asked = {"chunk_size": chunk_size, "codec": codec}
     ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
     if ignored:
