@@ -19,6 +19,22 @@ class AlreadyExists(CASError, FileExistsError):
     """A create-only write found something already there."""
 
 
+class ProtectedRef(AlreadyExists):
+    """A write would replace a gate, a ``best`` pointer or a ref the stored policy protects."""
+
+    def __init__(self, ref: str, protection: str, current: str, *, option: str = "") -> None:
+        self.ref, self.protection, self.current = ref, protection, current
+        option = option or "overwrite=True"
+        super().__init__(
+            f"{ref} is {protection} and already names {current[:16]}; "
+            f"replace it explicitly with {option}"
+        )
+
+    def for_option(self, option: str) -> ProtectedRef:
+        """The same refusal, naming ``option`` (a CLI flag) as the way to replace it anyway."""
+        return ProtectedRef(self.ref, self.protection, self.current, option=option)
+
+
 class IntegrityError(CASError):
     """Bytes read back do not match the blake3 digest they are stored under."""
 

@@ -75,7 +75,9 @@ def racing_save_worker(
             state = racing_state(seed)
             barrier.wait(timeout=60)
             try:
-                out.put((seed, "won", str(repo.save(state, ref, expected=expected))))
+                # Replacing the gate by compare-and-swap is deliberate: overwrite=True.
+                won = repo.save(state, ref, expected=expected, overwrite=True)
+                out.put((seed, "won", str(won)))
             except RefConflict as e:
                 out.put((seed, "conflict", str(e)))
     except Exception as e:

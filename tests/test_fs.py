@@ -614,3 +614,25 @@ def test_the_mount_reports_the_pinned_size_on_an_open_handle(
     assert ops.getattr("/f1/data.bin")["st_size"] == 300
     assert ops.read("/f1/data.bin", 4096, 0, handle) == b"x" * 100
     ops.release("/f1/data.bin", handle)
+
+
+def test_a_listing_right_after_a_save_in_the_same_process_shows_the_new_ref(
+    repo: cas.Repository, tmp_path: Path
+) -> None:
+    # The filesystem opened the store on its own (another Repository, as fsspec.open does) and
+    # caches refs for an hour by its clock: only the process's own changes can refresh it.
+    fs = CASFileSystem(
+        store=repo.url, skip_instance_cache=True, clock=lambda: 0.0, ref_cache_ttl=3600.0
+    )
+    (tmp_path / "a.txt").write_bytes(b"first")
+    repo.put_path(tmp_path / "a.txt", "runs/r1/data")
+    assert fs.ls("runs", detail=False) == ["runs/r1"]
+    assert fs.cat_file("runs/r1/data/a.txt") == b"first"
+
+    repo.save({"w": torch.ones(4)}, "runs/r2/ckpt")
+    assert fs.ls("runs", detail=False) == ["runs/r1", "runs/r2"]
+    (tmp_path / "a.txt").write_bytes(b"second")
+    repo.put_path(tmp_path / "a.txt", "runs/r1/data")
+    assert fs.cat_file("runs/r1/data/a.txt") == b"second"
+    repo.rm("runs/r2/ckpt")
+    assert fs.ls("runs", detail=False) == ["runs/r1"]

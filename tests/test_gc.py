@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -408,7 +409,8 @@ class GCModel(RuleBasedStateMachine):
 
     @rule(name=NAMES, seeds=SEEDS)
     def save(self, name: str, seeds: list[int]) -> None:
-        digest = self.repo.save(positional_state(tuple(seeds)), name, codec=self.codec)
+        state = positional_state(tuple(seeds))  # "gates/g" moves freely here: overwrite
+        digest = self.repo.save(state, name, codec=self.codec, overwrite=True)
         self._stored(digest, tuple(seeds))
         self._point(name, digest, tuple(seeds))
 
@@ -447,12 +449,13 @@ class GCModel(RuleBasedStateMachine):
         assert self.writer is not None
         hold, _, manifest, seeds, _, expires = self.writer
         self.writer = None
+        commit = functools.partial(self.repo.commit, manifest, name, overwrite=True)
         try:
             if self.clock() >= expires - MARGIN:
                 with pytest.raises(LeaseExpired):
-                    self.thread.submit(self.repo.commit, manifest, name).result()
+                    self.thread.submit(commit).result()
                 return
-            digest = self.thread.submit(self.repo.commit, manifest, name).result()
+            digest = self.thread.submit(commit).result()
         finally:
             self.thread.submit(hold.__exit__, None, None, None).result()
         # commit writes no chunk

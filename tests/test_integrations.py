@@ -265,6 +265,32 @@ def test_hf_resumes_from_a_ref_at_its_step_without_a_hand_made_directory(tmp_pat
         assert torch.equal(after[name], tensor), name
 
 
+def test_hf_trainer_resumed_from_an_earlier_step_saves_steps_the_policy_protects_again(
+    tmp_path: Path,
+) -> None:
+    from transformers import Trainer
+
+    from cas.retention.policy import RetentionPolicy
+    from cas.training.integrations.hf import CASCallback, resume_dir
+
+    repo = cas.open(tmp_path / "store")
+    repo.store_retention_policy(RetentionPolicy(protect=("runs/bert/**",)))
+    args = hf_args(tmp_path / "out", max_steps=6)
+    first = CASCallback(repo, "runs/bert", keep_local=False)
+    Trainer(model=tiny_bert(), args=args, train_dataset=Tokens(), callbacks=[first]).train()
+    old_step4 = repo.resolve("runs/bert/ckpt_step00000004")
+
+    # The run owns its step refs: resumed from step 2, it saves steps 4 and 6 again.
+    again = CASCallback(repo, "runs/bert", keep_local=False)
+    resumed = Trainer(model=tiny_bert(), args=args, train_dataset=Tokens(), callbacks=[again])
+    resumed.train(
+        resume_from_checkpoint=resume_dir(repo, "runs/bert/ckpt_step00000002", args.output_dir)
+    )
+    assert [step for step, _, _ in again.stored] == [4, 6]
+    assert repo.resolve("runs/bert/latest") == repo.resolve("runs/bert/ckpt_step00000006")
+    assert old_step4 in [e.target for e in repo.log("runs/bert/ckpt_step00000004")]
+
+
 # -- Lightning ------------------------------------------------------------------------------------
 
 
@@ -439,6 +465,35 @@ def test_a_lightning_rerun_keeps_the_previous_runs_checkpoints_as_local_disk_wou
     assert step == 4 and torch.equal(weights, second.net.weight.detach())
 
 
+@pytest.mark.parametrize("route", LIGHTNING_ROUTES)
+def test_lightning_last_after_a_rerun_is_the_reruns_last_checkpoint(
+    tmp_path: Path, cas_store_env: Path, route: str
+) -> None:
+    lightning_run(tmp_path, route, max_steps=4)  # last.ckpt at step 4
+    _, second, repo = lightning_run(tmp_path, route, max_steps=6)  # last-v1.ckpt at step 6
+    assert stored_lightning_checkpoint(repo, route, "last-v1.ckpt")["global_step"] == 6
+
+    _, resumed, _ = lightning_run(tmp_path, route, max_steps=8, ckpt_path="last")
+    step, weights = resumed.started
+    assert step == 6, "resumed from the first run's last.ckpt, not the newest last"
+    assert torch.equal(weights, second.net.weight.detach())
+
+
+@pytest.mark.parametrize("protect", ["runs/lit/**", "**/last.ckpt"])
+def test_lightning_moves_last_at_every_save_though_the_policy_protects_it(
+    tmp_path: Path, cas_store_env: Path, protect: str
+) -> None:
+    from cas.retention.policy import RetentionPolicy
+
+    cas.open(cas_store_env).store_retention_policy(RetentionPolicy(protect=(protect,)))
+    _, _, repo = lightning_run(tmp_path, "plugin", max_steps=4)  # last.ckpt at steps 2 and 4
+    assert stored_lightning_checkpoint(repo, "plugin", "last.ckpt")["global_step"] == 4
+
+    resumed, model, _ = lightning_run(tmp_path, "plugin", max_steps=6, ckpt_path="last")
+    assert model.started[0] == 4 and resumed.global_step == 6
+    assert stored_lightning_checkpoint(repo, "plugin", "last.ckpt")["global_step"] == 6
+
+
 # -- torch.distributed.checkpoint -----------------------------------------------------------------
 
 
@@ -456,6 +511,35 @@ def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
     return model, opt
+
+
+def test_a_dcp_save_onto_a_gate_is_refused_before_any_byte_unless_overwrite(
+    tmp_path: Path,
+) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from cas.errors import ProtectedRef
+    from cas.training.integrations.dcp import CASStorageWriter
+
+    repo = cas.open(tmp_path / "store")
+    model, _ = trained()
+    save({"model": model.state_dict()}, storage_writer=CASStorageWriter(repo),
+         checkpoint_id="runs/d/gates/g")  # fmt: skip
+    old, chunks = repo.resolve("runs/d/gates/g"), chunk_count(repo)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    # DCP wraps a writer's error in its CheckpointException (a BaseException), which quotes it.
+    with pytest.raises(
+        CheckpointException, match=f"{ProtectedRef.__name__}: runs/d/gates/g is a gate"
+    ):
+        save({"model": model.state_dict()}, storage_writer=CASStorageWriter(repo),
+             checkpoint_id="runs/d/gates/g")  # fmt: skip
+    assert repo.resolve("runs/d/gates/g") == old and chunk_count(repo) == chunks
+    writer = CASStorageWriter(repo, overwrite=True)
+    save({"model": model.state_dict()}, storage_writer=writer, checkpoint_id="runs/d/gates/g")
+    assert repo.resolve("runs/d/gates/g") != old
 
 
 def test_dcp_round_trip_writes_no_files_and_dedups_a_second_save(tmp_path: Path) -> None:

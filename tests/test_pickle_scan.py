@@ -371,6 +371,40 @@ def test_a_pickle_that_steps_outside_weights_is_refused_in_one_line_and_never_ru
     assert not canary.exists()
 
 
+class Outer:
+    """A class whose nested classes protocol 2 pickles as ``getattr(Outer, "Inner")``."""
+
+    class Inner:
+        def __init__(self) -> None:
+            self.lr = 0.1
+
+    class Middle:
+        class Inner:
+            pass
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+@pytest.mark.parametrize(
+    "value",
+    [Outer.Inner(), Outer.Middle.Inner(), [Outer.Inner, 1]],
+    ids=["inner", "deeper", "class"],
+)
+def test_a_refused_nested_class_is_named_itself_not_builtins_getattr(
+    tmp_path: Path, value: Any, zipped: bool
+) -> None:
+    path = tmp_path / "nested.pt"
+    torch.save({"cfg": value}, path, _use_new_zipfile_serialization=zipped)  # protocol 2
+    inner = type(value) if not isinstance(value, list) else value[0]
+    assert b"getattr" in path.read_bytes()  # how protocol 2 writes a nested class
+
+    with pytest.raises(FormatError) as refused:
+        inspect_file(path)
+
+    message = str(refused.value)
+    assert f"global {__name__}.{inner.__qualname__} is not allowed" in message, message
+    assert "getattr" not in message and "\n" not in message
+
+
 def test_truncated_and_garbage_pickles_are_refused(tmp_path: Path) -> None:
     real = tmp_path / "real.pt"
     torch.save({"w": torch.ones(4)}, real)

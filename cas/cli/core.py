@@ -57,10 +57,13 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     if codec:
         standalone_codec(codec, 1)  # an unknown name is an error here
         config = replace(config, codec=codec)
-    from cas.errors import AlreadyExists
+    from cas.errors import AlreadyExists, NotFound
     from cas.repo.opening import open as open_store
 
-    repo = open_store(obj.store, config=config.validate())
+    try:  # an existing store's settings are compared below, with the options given
+        repo = open_store(obj.store, create=False)
+    except NotFound:
+        repo = open_store(obj.store, config=config.validate())
     asked = {"chunk_size": chunk_size, "codec": codec}
     ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
     if ignored:
@@ -100,6 +103,12 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
     metavar="REF",
     help="Checkpoint whose same-named tensors are delta bases [REF's current version].",
 )
+@click.option(
+    "-f",
+    "--force",
+    is_flag=True,
+    help="Replace REF even if it is a gate, a best pointer or a ref the policy protects.",
+)
 @json_option
 @pass_ctx
 def put(
@@ -110,15 +119,17 @@ def put(
     allow_pickles: bool,
     codec: str | None,
     parent: str | None,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Ingest PATH (a .pt, .safetensors, any file, or a directory) under REF.
 
     Known formats are cut at tensor boundaries, so their tensors share chunks with the same
     tensors saved from Python. `.pt` files are checked with weights_only loading: a pickle that
-    would run code is refused.
+    would run code is refused. A gate (gates/**, runs/*/gates/*), a best pointer or a ref the
+    stored retention policy protects is never replaced without --force.
     """
-    from cas.errors import RefusedPickle
+    from cas.errors import ProtectedRef, RefusedPickle
 
     metadata = _parse_meta(meta)
     repo = obj.open()
@@ -132,9 +143,12 @@ def put(
                 codec=codec,
                 parent=parent,
                 progress=update,
+                overwrite=force,
             )
         except RefusedPickle as e:
             raise e.for_option("--allow-opaque-pickles") from None
+        except ProtectedRef as e:
+            raise e.for_option("--force") from None
     stats = repo.last_write.as_dict()
     if as_json:
         emit_json({"ref": ref, "manifest": digest, **stats})
@@ -346,8 +360,13 @@ def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_
     A gate (gates/**, runs/*/gates/*), a best pointer or a ref the stored retention policy
     protects is never replaced without --force.
     """
+    from cas.errors import ProtectedRef
+
     repo = obj.open(create=False)
-    digest = repo.cp(src, dst, only=list(only) or None, overwrite=force)
+    try:
+        digest = repo.cp(src, dst, only=list(only) or None, overwrite=force)
+    except ProtectedRef as e:
+        raise e.for_option("--force") from None
     if as_json:
         emit_json({"ref": dst, "manifest": digest})
     else:

@@ -58,6 +58,16 @@ def _print_report(report: Any, verb: str) -> None:
     )
 
 
+def _open_or_create_like(obj: Context, url: str, like: Any) -> Any:
+    """The store at ``url``; a new one there is made with ``like``'s settings (chunking, codec)."""
+    from cas.errors import NotFound
+
+    try:
+        return obj.open_url(url, create=False)
+    except NotFound:
+        return obj.open_url(url, config=like.config)
+
+
 @cli.command()
 @ref_argument("refs", nargs=-1, required=True)
 @click.option(
@@ -76,7 +86,7 @@ def push(
     Interrupted, run it again: it sends only the rest.
     """
     local = obj.open(create=False)
-    remote = obj.open_url(url, config=local.config)
+    remote = _open_or_create_like(obj, url, local)
     with _transfer_bar(obj, f"push {url}") as update:
         report = local.push(remote, list(refs), jobs=jobs, progress=update, codec=codec)
     if as_json:
@@ -144,7 +154,7 @@ def archive(
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--grace") from e
     local = obj.open(create=False)
-    remote = obj.open_url(url, config=local.config)
+    remote = _open_or_create_like(obj, url, local)
     with _transfer_bar(obj, f"archive {url}") as update:
         report = local.archive(
             remote, list(refs), jobs=jobs, progress=update, grace=grace_seconds, codec=codec

@@ -5,7 +5,7 @@ functions, storage and legacy tensor types, dtypes, quantization schemes, ``torc
 ``torch.device``, ``collections.OrderedDict`` and ``Counter``, ``_codecs.encode`` for bytes,
 ``builtins.set``/``bytearray``/``complex``), plus numpy's array and dtype reconstructors, which
 ``transformers`` allows for ``rng_state.pth``. No entry is ever imported or called: the scanner
-models what each does (``Role``).
+models what each does (``Role``). The opcode tables the scanner interprets by are here too.
 """
 
 from __future__ import annotations
@@ -135,3 +135,25 @@ def _allowed_globals() -> dict[str, Role]:
 
 ALLOWED_GLOBALS: dict[str, Role] = _allowed_globals()
 """Every global a weights-only pickle may name, by full ``module.name``, and its role."""
+
+CONSTANT_OPCODES = frozenset(
+    {
+        "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",
+        "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
+        "BYTEARRAY8", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
+        "FLOAT", "BINFLOAT",
+    }
+)  # fmt: skip
+"""Opcodes that push a constant (numbers, text, bytes)."""
+
+GETATTR = "builtins.getattr"
+"""How protocols 2 and 3 write a nested class: a ``REDUCE`` of this on (parent, name)."""
+
+NAMING_OPCODES = frozenset(
+    {
+        "GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE",
+        "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GET", "BINGET", "LONG_BINGET",
+        "MARK", "TUPLE", "TUPLE1", "TUPLE2", "REDUCE", "FRAME",
+    }
+)  # fmt: skip
+"""Opcodes that may follow a refused global while a nested name is spelled out."""

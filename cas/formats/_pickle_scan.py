@@ -9,7 +9,10 @@ it). Here nothing a pickle names is imported or called. ``scan_pickle`` reads th
 - ``GLOBAL`` / ``STACK_GLOBAL`` must name an entry of ``ALLOWED_GLOBALS`` (the globals torch's
   weights-only unpickler allows: tensor rebuild functions, storage types, dtypes,
   ``collections.OrderedDict``, ``torch.Size``, ``torch.device``..., plus numpy's array and dtype
-  reconstructors for ``rng_state.pth``); anything else is refused, naming ``module.name``;
+  reconstructors for ``rng_state.pth``); anything else is refused, naming ``module.name``. The
+  refusal waits while the opcodes that follow only spell a name: protocol 2 writes a nested class
+  ``mod.Outer.Inner`` as ``builtins.getattr(mod.Outer, "Inner")``, and the message names the
+  class, not ``builtins.getattr``;
 - ``REDUCE`` / ``NEWOBJ`` of an allowed global is interpreted by this module, never called: a
   tensor rebuild becomes a ``TensorRef`` (storage, offset, shape, stride, dtype), a storage
   persistent id (``BINPERSID``) a ``StorageRef``, other allowed objects an ``Opaque`` marker;
@@ -30,9 +33,12 @@ from typing import IO, Any
 
 from cas.formats._pickle_allow import (
     ALLOWED_GLOBALS,
+    CONSTANT_OPCODES,
     DTYPE_ITEMSIZE,
     FUNCTION_ROLES,
+    GETATTR,
     MODULE_ALIASES,
+    NAMING_OPCODES,
     STORAGE_DTYPES,
     Role,
 )
@@ -114,6 +120,14 @@ class Opaque:
 class _Global:
     name: str
     role: Role
+
+
+@dataclass(frozen=True, eq=False)
+class _Refused:
+    """A global that is not allowed, held only while the next opcodes may still spell a longer
+    name for it (``getattr(mod.Outer, "Inner")``); any other use refuses the pickle."""
+
+    name: str
 
 
 class _DictObject(dict[Any, Any]):
@@ -200,13 +214,24 @@ class _Machine:
         self.memo: dict[int, Any] = {}
         self.storages: dict[str, StorageRef] = {}
         self.budget = 0
+        self.refused: str | None = None
+        """The refused global (the longest name spelled so far); the pickle is refused once
+        an opcode does something other than spell a name."""
 
     def run(self, stream: IO[bytes]) -> ScannedPickle:
-        for name, arg, size in _opcodes(stream):
-            self.budget += 64 + 8 * size  # work allowed grows with the bytes read
-            if name == "STOP":
-                return ScannedPickle(self.pop(), self.storages)
-            self.step(name, arg)
+        try:
+            for name, arg, size in _opcodes(stream):
+                self.budget += 64 + 8 * size  # work allowed grows with the bytes read
+                if self.refused is not None and name not in NAMING_OPCODES:
+                    break
+                if name == "STOP":
+                    return ScannedPickle(self.pop(), self.storages)
+                self.step(name, arg)
+        except BrokenPickle:
+            if self.refused is None:
+                raise
+        if self.refused is not None:
+            raise UnsafePickle(f"global {_printable(self.refused)} is not allowed")
         raise BrokenPickle("pickle ended before its STOP")  # genops raises first; kept for mypy
 
     def spend(self, amount: int) -> None:
@@ -235,7 +260,7 @@ class _Machine:
         return items
 
     def step(self, name: str, arg: Any) -> None:
-        if name in _CONSTANT_OPCODES:
+        if name in CONSTANT_OPCODES:
             self.push(arg)
         elif name in ("NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE"):
             self.push({"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}[name])
@@ -306,12 +331,12 @@ class _Machine:
             pass
         elif name == "GLOBAL":
             module, _, attr = str(arg).partition(" ")
-            self.push(_lookup(module, attr))
+            self.push(self.lookup(module, attr))
         elif name == "STACK_GLOBAL":
             attr, module = self.pop(), self.pop()
             if not isinstance(module, str) or not isinstance(attr, str):
                 raise BrokenPickle("STACK_GLOBAL of something other than two strings")
-            self.push(_lookup(module, attr))
+            self.push(self.lookup(module, attr))
         elif name == "REDUCE":
             args = self.pop()
             self.push(self.call(self.pop(), args))
@@ -348,8 +373,22 @@ class _Machine:
                 raise UnsafePickle(f"a dict key integer of {item.bit_length()} bits")
         return key
 
+    def lookup(self, module: str, attr: str) -> _Global | _Refused:
+        """The allowed global ``module.attr``, or a ``_Refused`` one (``run`` refuses the pickle
+        as soon as it is used for anything but spelling a nested name)."""
+        module = MODULE_ALIASES.get(module, module)
+        name = f"{module}.{attr}"
+        role = ALLOWED_GLOBALS.get(name)
+        if role is not None:
+            return _Global(name, role)
+        if self.refused is None or self.refused == GETATTR:
+            self.refused = name
+        return _Refused(name)
+
     def call(self, func: Any, args: Any, *, new: bool = False) -> Any:
         """The model of ``func(*args)`` (``REDUCE``) or ``func.__new__(func, *args)``."""
+        if isinstance(func, _Refused):
+            return self.refused_call(func, args)
         opcode = "NEWOBJ" if new else "REDUCE"
         if not isinstance(func, _Global):
             raise UnsafePickle(f"{opcode} on a {type(func).__name__}, not an allowed global")
@@ -388,6 +427,17 @@ class _Machine:
         if role is Role.NUMPY:
             return Opaque(func.name, buildable=True)
         raise UnsafePickle(f"calling {func.name} is not allowed (it may only appear as a value)")
+
+    def refused_call(self, func: _Refused, args: Any) -> _Refused:
+        """``getattr(parent, "Inner")`` spells the nested class ``parent.Inner``, which becomes
+        the name to refuse; calling any other refused global refuses the pickle."""
+        parent, attr = args if isinstance(args, tuple) and len(args) == 2 else (None, None)
+        if func.name != GETATTR or not isinstance(parent, (_Global, _Refused)):
+            raise UnsafePickle(f"global {_printable(self.refused or func.name)} is not allowed")
+        if not isinstance(attr, str):
+            raise UnsafePickle(f"global {_printable(self.refused or func.name)} is not allowed")
+        self.refused = f"{parent.name}.{attr}"
+        return _Refused(self.refused)
 
     def tensor(self, func: _Global, args: tuple[Any, ...]) -> TensorRef:
         arity = {Role.TENSOR_V1: (4, 4), Role.TENSOR_V2: (6, 7), Role.TENSOR_V3: (7, 8)}
@@ -504,16 +554,6 @@ class _Machine:
         return StorageRef(view_key, root.dtype, count)
 
 
-_CONSTANT_OPCODES = frozenset(
-    {
-        "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",
-        "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
-        "BYTEARRAY8", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
-        "FLOAT", "BINFLOAT",
-    }
-)  # fmt: skip
-
-
 def _opcodes(stream: IO[bytes]) -> Iterator[tuple[str, Any, int]]:
     """``(name, argument, approximate size)`` per opcode; malformed bytes are ``BrokenPickle``."""
     ops = pickletools.genops(stream)
@@ -526,15 +566,6 @@ def _opcodes(stream: IO[bytes]) -> Iterator[tuple[str, Any, int]]:
             raise BrokenPickle(f"unreadable pickle ({type(e).__name__})") from e
         size = len(arg) if isinstance(arg, (str, bytes, bytearray)) else 1
         yield op.name, arg, size
-
-
-def _lookup(module: str, attr: str) -> _Global:
-    module = MODULE_ALIASES.get(module, module)
-    name = f"{module}.{attr}"
-    role = ALLOWED_GLOBALS.get(name)
-    if role is None:
-        raise UnsafePickle(f"global {_printable(name)} is not allowed")
-    return _Global(name, role)
 
 
 def _describe(value: object) -> str:

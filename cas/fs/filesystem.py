@@ -19,7 +19,10 @@ Writes stream: bytes are cut into chunks as they arrive (``cas.objects.streamcut
 closing the file adds or replaces its entry in the owning ref's ``kind="files"`` manifest by
 compare-and-swap on the ref, retried on conflict, so concurrent writers of different files in one
 checkpoint never lose each other's files. Until close the file is invisible. A state saved with
-``Repository.save`` is read-only here. ``cp``/``mv`` of an ingested file copy its manifest entry,
+``Repository.save`` is read-only here. A gate, a ``best`` pointer or a ref the stored policy
+protects keeps its files: writing, renaming or removing one is refused (``ProtectedRef``, a
+``FileExistsError``, when the file is opened) unless opened with ``fs.open(path, "wb",
+overwrite=True)``. ``cp``/``mv`` of an ingested file copy its manifest entry,
 not its bytes.
 """
 
@@ -277,6 +280,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 chunk_size=self.repo.config.chunk_size,
             )
         if mode in ("wb", "xb"):
+            overwrite = bool(kwargs.pop("overwrite", False))
             if mode == "xb" and self.exists(path):
                 raise FileExistsError(errno.EEXIST, "file exists", path)
             if self.isdir(path):
@@ -287,6 +291,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
             owner = self.tree.snapshot(ref)
             if owner is not None and owner.manifest.kind != "files":
                 raise read_only_state(ref)
+            self.repo.check_replaceable(ref, overwrite=overwrite)  # before a byte is stored
             return CASWriteFile(
                 self,
                 path,
@@ -295,6 +300,7 @@ class CASFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 autocommit,
                 tree=self.tree,
                 totals=self.write_stats,
+                overwrite=overwrite,
             )
         raise ValueError(
             f"mode {mode!r} is not supported by cas://: files are read ('rb') or written whole "

@@ -2,9 +2,12 @@
 
 Refs and every prefix of a ref name are directories. A path belongs to the *longest ref that is
 the path or one of its ancestors*; the rest of the path names a file inside that checkpoint. Ref
-names and targets are cached for ``ttl`` seconds (by the injected clock); manifests are immutable,
-so their decoded views are kept in a small LRU. Directories made inside a checkpoint before any
-file is written below them exist only here (``pseudo_dirs``): manifests hold files, not folders.
+names and targets are cached for ``ttl`` seconds (by the injected clock), and dropped at once
+when this process changes a ref of the store through any Repository on it (a ``repo.save`` next
+to the filesystem: ``Repository.local_ref_change``); another process's change is seen within
+``ttl``. Manifests are immutable, so their decoded views are kept in a small LRU. Directories
+made inside a checkpoint before any file is written below them exist only here
+(``pseudo_dirs``): manifests hold files, not folders.
 """
 
 from __future__ import annotations
@@ -54,13 +57,22 @@ class CheckpointTree:
         self.pseudo_dirs: set[str] = set()
         self._names: dict[str, tuple[float, list[str]]] = {}
         self._records: dict[str, tuple[float, Digest | None]] = {}
+        self._seen_change = repo.local_ref_change()
         self._manifests: OrderedDict[
             Digest, tuple[Manifest, dict[str, FileView], frozenset[str]]
         ] = OrderedDict()
         self._lock = threading.Lock()
 
+    def _drop_if_changed(self) -> None:
+        """Forget cached refs if this process changed a ref of the store since they were read."""
+        change = self.repo.local_ref_change()
+        if change != self._seen_change:
+            self.invalidate()
+            self._seen_change = change
+
     def ref_names(self, first: str) -> list[str]:
         """Ref names equal to or below the first path segment ``first`` ("" for all)."""
+        self._drop_if_changed()
         cached = self._names.get(first)
         now = self.clock()
         if cached is None or now - cached[0] > self.ttl:
@@ -70,6 +82,7 @@ class CheckpointTree:
 
     def target(self, ref: str) -> Digest | None:
         """The manifest ``ref`` names (None if there is no such ref), as cached."""
+        self._drop_if_changed()
         cached = self._records.get(ref)
         now = self.clock()
         if cached is None or now - cached[0] > self.ttl:

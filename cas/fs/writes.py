@@ -82,7 +82,7 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
     that expired aborts the commit (invariant 5). A file closed while an exception unwinds (a
     ``with`` block that raised, whether it is ``fs.open``'s or ``fsspec.open``'s, or a ``finally``
     the error runs through) is discarded, never published half written. ``totals`` adds up what
-    every file of the filesystem wrote.
+    every file of the filesystem wrote. ``overwrite`` lets the commit change a protected ref.
     """
 
     closed: bool
@@ -97,6 +97,7 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         *,
         tree: CheckpointTree,
         totals: WriteStats,
+        overwrite: bool = False,
     ) -> None:
         super().__init__(
             fs, path, mode=mode, block_size=block_size, autocommit=autocommit, cache_type="none"
@@ -104,6 +105,7 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         self.repo = tree.repo
         self.tree = tree
         self.totals = totals
+        self.overwrite = overwrite
         self.stats = WriteStats()
         self._lease = self.repo.writer_lease("fs-write")
         self._writer = self.repo.stream_writer(self.stats)
@@ -138,7 +140,13 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         try:
             if self._lease is not None:
                 self._lease.check()
-            put_record(self.tree, self.path, self._record, exclusive=self.mode == "xb")
+            put_record(
+                self.tree,
+                self.path,
+                self._record,
+                exclusive=self.mode == "xb",
+                overwrite=self.overwrite,
+            )
         finally:
             self._release()
 
@@ -226,9 +234,12 @@ def edit_files(
     create: bool,
     op: str,
     message: str,
+    overwrite: bool = False,
 ) -> Digest:
     """Change a ref's files by compare-and-swap, re-reading and editing again when another
-    writer wins; ``edit`` may run more than once and may raise to abort."""
+    writer wins; ``edit`` may run more than once and may raise to abort. A gate, a ``best``
+    pointer or a ref the stored policy protects changes only with ``overwrite`` (ProtectedRef,
+    a FileExistsError, otherwise)."""
     repo = tree.repo
 
     def edited(current: RefRecord | None) -> Digest:
@@ -252,7 +263,9 @@ def edit_files(
         return repo.put_manifest(new_manifest)
 
     try:
-        record = repo.update_ref(ref, edited, op=op, message=message, attempts=MAX_REF_RETRIES)
+        record = repo.update_ref(
+            ref, edited, op=op, message=message, attempts=MAX_REF_RETRIES, overwrite=overwrite
+        )
     finally:
         tree.invalidate()
     assert record is not None
@@ -260,7 +273,12 @@ def edit_files(
 
 
 def put_record(
-    tree: CheckpointTree, path: str, record: FileRecord, *, exclusive: bool = False
+    tree: CheckpointTree,
+    path: str,
+    record: FileRecord,
+    *,
+    exclusive: bool = False,
+    overwrite: bool = False,
 ) -> None:
     """Make a file visible: add or replace its entry in the owning ref (the commit point)."""
     ref, rel = file_location(tree, path)
@@ -272,7 +290,7 @@ def put_record(
         files[rel] = record
         return files
 
-    edit_files(tree, ref, add, create=True, op="fs-write", message=rel)
+    edit_files(tree, ref, add, create=True, op="fs-write", message=rel, overwrite=overwrite)
 
 
 def check_file_fits(files: Mapping[str, object], rel: str, path: str) -> None:

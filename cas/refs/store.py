@@ -16,6 +16,7 @@ CPU and rewrote 1.2 MB. With sealing it stays under a millisecond.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 import uuid
@@ -71,6 +72,12 @@ DECODED_REFS = 256
 """How many refs' decoded records a RefStore keeps for reuse."""
 UPDATE_ATTEMPTS = 64
 """Conditional writes ``RefStore.update`` tries before it gives up with RefConflict."""
+
+
+_MOVES = itertools.count(1)
+_LAST_MOVE: dict[str, int] = {}
+"""Per store URL, the number of the latest ref change this process made (through any RefStore
+on that URL); ``RefStore.local_change`` reads it for caches of ref names and targets."""
 
 
 class RefChange(Enum):
@@ -165,6 +172,17 @@ class RefStore:
     def url(self) -> str:
         """Where the refs live."""
         return self.blobs.url
+
+    def local_change(self) -> int:
+        """A number that changes whenever this process creates, moves or removes a ref of this
+        store, through this RefStore or another on the same URL (0: none yet). Caches of refs
+        compare it to drop what this very process changed; other processes' changes are not
+        seen here."""
+        return _LAST_MOVE.get(self.url, 0)
+
+    def _changed(self) -> None:
+        # After the write: a cache that reads the new number and then lists sees the change.
+        _LAST_MOVE[self.url] = next(_MOVES)
 
     def get(self, name: str) -> RefRecord:
         """The current record of a ref; NotFound if there is none."""
@@ -373,6 +391,7 @@ class RefStore:
             self.blobs.delete_conditional(current.legacy_key, current.version)
         else:
             version = self.blobs.put_conditional(ref_key(record.name), encode_ref(record), expected)
+        self._changed()
         return self._remember(replace(record, version=version))
 
     def _missing(self, record: RefRecord) -> list[str]:
@@ -419,6 +438,7 @@ class RefStore:
             except (PreconditionFailed, NotFound):
                 continue  # a writer moved it meanwhile: fence what it wrote
             self._decoded.pop(ref, None)
+            self._changed()
             return current.target if current else None
         raise RefConflict(f"ref {ref!r} kept changing: gc could not fence it")
 
@@ -440,6 +460,7 @@ class RefStore:
         with contextlib.suppress(PreconditionFailed, NotFound):
             self.blobs.delete_conditional(found.legacy_key, found.version)
         self._decoded.pop(ref, None)
+        self._changed()
         return True
 
     def _delete_record(self, current: RefRecord) -> None:
@@ -447,6 +468,7 @@ class RefStore:
         assert current.version is not None
         self.blobs.delete_conditional(current.legacy_key or ref_key(current.name), current.version)
         self._decoded.pop(current.name, None)
+        self._changed()
 
     def set(
         self,
@@ -465,18 +487,7 @@ class RefStore:
         in the ref's history, because the write is conditional on the record just read.
         """
         ref = parse_ref_name(name)
-
-        def point(current: RefRecord | None) -> Digest:
-            if expected is not ...:
-                found = current.target if current else None
-                if found != expected:
-                    raise RefConflict(
-                        f"ref {ref!r} moved: expected {_short(expected)}, found {_short(found)}"
-                        f"; the new manifest {target} is stored, retry or point a ref at it"
-                    )
-            return target
-
-        record = self.update(ref, point, op=op, message=message)
+        record = self.update(ref, pointing(ref, target, expected), op=op, message=message)
         assert record is not None
         return record
 
@@ -575,6 +586,22 @@ class RefStore:
 
         self.update(ref, remove, op="delete")
         return removed[-1]
+
+
+def pointing(ref: RefName, target: Digest, expected: Digest | object | None = ...) -> UpdateFn:
+    """The update function of ``RefStore.set``: ``target``, after checking ``expected``."""
+
+    def point(current: RefRecord | None) -> Digest:
+        if expected is not ...:
+            found = current.target if current else None
+            if found != expected:
+                raise RefConflict(
+                    f"ref {ref!r} moved: expected {_short(expected)}, found {_short(found)}"
+                    f"; the new manifest {target} is stored, retry or point a ref at it"
+                )
+        return target
+
+    return point
 
 
 def _plain_name(key: str) -> RefName | None:

@@ -19,6 +19,9 @@ CLEAN_VERSION = 2
 """From this version on a store holds none of the layouts an older cas wrote, so readers do not
 look for them."""
 MAX_CHUNK_SIZE = 64 << 20
+WRITER_SETTINGS = ("codec", "compression_level", "inline_max")
+"""Settings that only say how new data is written (readers never depend on them): changeable in
+a store at any time (``Repository.update_settings``). Chunking is fixed when a store is made."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,23 @@ class StoreConfig:
             return cls(**{k: v for k, v in doc.items() if k in known}).validate()
         except TypeError as e:
             raise FormatError(f"store config is malformed: {e}") from e
+
+    def differences(self, wanted: StoreConfig) -> list[str]:
+        """The settings ``wanted`` asks for that this (stored) config holds otherwise, as
+        ``name <stored> (asked <wanted>)``; ``created_at`` and ``version`` are the store's own,
+        and only the ``extra`` sections ``wanted`` has are compared."""
+        out = [
+            f"{f.name} {getattr(self, f.name)!r} (asked {getattr(wanted, f.name)!r})"
+            for f in fields(self)
+            if f.name not in ("created_at", "version", "extra")
+            and getattr(self, f.name) != getattr(wanted, f.name)
+        ]
+        out.extend(
+            f"extra section {name!r}"
+            for name, value in wanted.extra.items()
+            if self.extra.get(name) != value
+        )
+        return out
 
     def with_extra(self, section: str, value: Any) -> StoreConfig:
         """A copy with one ``extra`` section replaced."""

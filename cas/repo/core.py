@@ -167,15 +167,20 @@ class RepositoryCore(RefOperations):
         codec: str | None = None,
         message: str = "",
         progress: Progress | None = None,
+        overwrite: bool = False,
     ) -> Digest:
         """Store a nested training state under ``ref``; return the manifest digest.
 
         ``parent`` names the previous checkpoint (default: the ref's current target), which is
         also the delta base: with codec ``"auto"`` each tensor may be stored as a delta against
         the parent's tensor at the same path (``cas.objects.encoding``). ``expected`` makes the ref update
-        a compare-and-swap against that digest (``None``: must not exist).
+        a compare-and-swap against that digest (``None``: must not exist). A gate, a ``best``
+        pointer or a ref the stored policy protects is replaced only with ``overwrite=True``
+        (ProtectedRef otherwise; the chunks written stay for GC).
         """
         name = parse_ref_name(ref)
+        if expected is _ANY:  # a compare-and-swap is refused at the commit, by the ref's state
+            self.check_replaceable(name, overwrite=overwrite)
         tree, sources = encode_state(state)
         parent_digest = self._parent_digest(name, parent)
         for attempt in range(1, SAVE_ATTEMPTS + 1):
@@ -192,7 +197,13 @@ class RepositoryCore(RefOperations):
             )
             try:
                 return self.commit(
-                    manifest, name, expected=expected, op="save", message=message, stats=stats
+                    manifest,
+                    name,
+                    expected=expected,
+                    op="save",
+                    message=message,
+                    stats=stats,
+                    overwrite=overwrite,
                 )
             except CollectedDuringWrite:
                 # GC deleted something this save reused between its check and its delete; the
@@ -308,13 +319,15 @@ class RepositoryCore(RefOperations):
         op: str = "commit",
         message: str = "",
         stats: WriteStats | None = None,
+        overwrite: bool = False,
     ) -> Digest:
         """Make chunks durable, store the manifest, then move the ref (invariant 1).
 
-        The ref store checks this thread's lease right before the ref moves (invariant 5).
+        The ref store checks this thread's lease right before the ref moves (invariant 5). A
+        protected ref is replaced only with ``overwrite=True``, as in ``set_ref``.
         """
         digest = self.put_manifest(manifest)
-        self.refs_store.set(ref, digest, expected=expected, op=op, message=message)
+        self.set_ref(ref, digest, expected=expected, op=op, message=message, overwrite=overwrite)
         self.last_write = stats or WriteStats()
         return digest
 

@@ -17,8 +17,9 @@ from cas.digest import Digest
 from cas.errors import NotFound
 from cas.model.manifest import Manifest
 from cas.objects.chunkio import Progress
+from cas.objects.encoding import standalone_codec
 from cas.refs.stores import Stores
-from cas.repo.config import StoreConfig, read_config, write_config
+from cas.repo.config import WRITER_SETTINGS, StoreConfig, read_config, write_config
 from cas.retention.evictions import eviction_logs, read_evictions
 from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
 from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
@@ -59,6 +60,25 @@ class HousekeepingOperations:
         if stored is not None and stored.version > self.config.version:
             self.config = replace(self.config, version=stored.version)
         self.config = self.config.with_extra(section, value)
+        write_config(self.blobs, self.config)
+        return self.config
+
+    def update_settings(self, **settings: Any) -> StoreConfig:
+        """Change the stored writer settings (``codec``, ``compression_level``, ``inline_max``)
+        for every later write, by any process that opens the store afterwards; return the new
+        config. Chunking (``chunk_size``, ``cdc_avg_size``) is fixed when a store is made."""
+        unknown = sorted(set(settings) - set(WRITER_SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)} cannot be changed in an existing store "
+                f"(changeable: {', '.join(WRITER_SETTINGS)})"
+            )
+        if "codec" in settings:
+            standalone_codec(settings["codec"], 1)  # an unknown name is an error here
+        stored = read_config(self.blobs) or self.config
+        self.config = replace(
+            self.config, **settings, version=max(stored.version, self.config.version)
+        ).validate()
         write_config(self.blobs, self.config)
         return self.config
 

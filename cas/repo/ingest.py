@@ -50,9 +50,12 @@ def ingest_path(
     codec: str | None,
     parent: str | None,
     progress: Progress | None,
+    overwrite: bool = False,
 ) -> Digest:
     """Store a file or directory under ``ref``; see ``Repository.put_path``."""
     name = parse_ref_name(ref)
+    if expected is ...:  # a compare-and-swap is refused at the commit, by the ref's state
+        repo.check_replaceable(name, overwrite=overwrite)
     source = Path(path)
     before: os.stat_result | None = None
     if source.is_dir():
@@ -103,7 +106,13 @@ def ingest_path(
         chunk_size=repo.config.chunk_size,
     )
     return repo.commit(
-        manifest, name, expected=expected, op="put", message=str(source), stats=stats
+        manifest,
+        name,
+        expected=expected,
+        op="put",
+        message=str(source),
+        stats=stats,
+        overwrite=overwrite,
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_for_use
-from cas.errors import IntegrityError, NotFound
+from cas.errors import AlreadyExists, IntegrityError, NotFound
 from cas.objects.encoding import DeltaSettings
 from cas.objects.keys import parse_object_key
 from cas.objects.store import ObjectStore
@@ -42,7 +42,10 @@ def open(
 
     With no URL: ``$CAS_STORE``, else ``~/.local/share/cas/store``. A location that holds a store of
     another format version is a clear ``FormatError``; a missing store with ``create=False`` is
-    ``NotFound``.
+    ``NotFound``. ``config`` is what a new store is made with: a store's settings are stored in
+    it and shared by every process, so for an existing store a ``config`` that asks for other
+    settings is ``AlreadyExists`` naming them (``Repository.update_settings`` changes the writer
+    settings; chunking is fixed), never silently ignored.
 
     Remote stores (S3, fsspec) retry transient failures with backoff. ``cache="/dir"`` fronts a
     remote with a local cache of chunks and manifests (``cas.blobstore.cache``). Opening an S3 store for
@@ -76,6 +79,14 @@ def open(
         existing = replace(config or StoreConfig(), created_at=clock())
         DeltaSettings.from_config(existing.extra)  # refuse bad settings before creating a store
         write_config(blobs, existing)
+    elif config is not None and (differ := existing.differences(config)):
+        blobs.close()
+        raise AlreadyExists(
+            f"the store at {blobs.url} holds other settings than config= asks for: "
+            f"{', '.join(differ)}; open it without config= to use them, change the writer "
+            "settings with Repository.update_settings(...) or extra sections with "
+            "Repository.update_config(...); chunk_size and cdc_avg_size are fixed at creation"
+        )
     if readonly:
         blobs = ReadOnlyBlobStore(blobs)
     return Repository(blobs, existing, clock=clock, read_limits=read_limits)

@@ -4,6 +4,11 @@
 cli) read and move refs, append to logs, hold writer leases and inspect the maintenance lock
 through these named methods only, never through the stores behind them, so every ref move is a
 ``RefStore.update`` and every one is fenced by the writer's lease.
+
+Every write that points a ref at a checkpoint (``save``, ``put_path``, ``commit``, ``cp``,
+``set_ref``, ``update_ref``, and so ``cas://`` writes, the training integrations and imports)
+passes ``_guarded`` on its way to that door: a gate, a ``best`` pointer or a ref the stored
+policy protects that already names another checkpoint moves only with ``overwrite=True``.
 """
 
 from __future__ import annotations
@@ -14,14 +19,14 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from cas.digest import Digest, parse_digest
-from cas.errors import InvalidName, NotFound
-from cas.names import RefName
+from cas.errors import InvalidName, NotFound, ProtectedRef
+from cas.names import RefName, parse_ref_name
 from cas.refs.leases import LeaseManager, WriterLease, leased
 from cas.refs.listing import RefListing, list_refs
 from cas.refs.log import AppendLog
 from cas.refs.maintenance import LeaseStatus, LockHolder, MaintenanceService
 from cas.refs.records import RefEvent, RefRecord
-from cas.refs.store import UPDATE_ATTEMPTS, RefStore, UpdateFn
+from cas.refs.store import UPDATE_ATTEMPTS, RefChange, RefStore, UpdateFn, pointing
 
 _ANY: Any = ...
 
@@ -33,6 +38,8 @@ class RefOperations:
     leases: LeaseManager
     maintenance: MaintenanceService
     clock: Callable[[], float]
+    ref_protection: Callable[[str], str | None]
+    """``HousekeepingOperations.ref_protection``: why replacing a ref needs ``overwrite``."""
 
     # -- reading refs --------------------------------------------------------------------------
 
@@ -68,6 +75,11 @@ class RefOperations:
         for listings that must not let one damaged ref hide the rest."""
         return list_refs(self.refs_store, selector)
 
+    def local_ref_change(self) -> int:
+        """A number that changes whenever this process creates, moves or removes a ref of this
+        store (``RefStore.local_change``): for caches of refs to drop what it changed at once."""
+        return self.refs_store.local_change()
+
     def ref_events(self, ref: str | RefRecord) -> Iterator[RefEvent]:
         """The ref's whole history, newest first, read lazily (sealed segments only if reached)."""
         record = ref if isinstance(ref, RefRecord) else self.refs_store.get(ref)
@@ -88,6 +100,7 @@ class RefOperations:
         op: str,
         message: str = "",
         attempts: int = UPDATE_ATTEMPTS,
+        overwrite: bool = False,
     ) -> RefRecord | None:
         """Move a ref by compare-and-swap to what ``fn(current record or None)`` returns: a
         manifest digest, ``RefChange.DELETE`` or ``RefChange.KEEP`` (``cas.refs.store``).
@@ -96,9 +109,12 @@ class RefOperations:
         times, then RefConflict. ``fn`` may store manifests (``put_manifest``) and may raise to
         abort. Runs under a writer lease, checked right before each write, so GC spares what
         ``fn`` stores and a writer whose lease expired never moves the ref. Returns the record
-        as the update left it (None when the ref is absent).
+        as the update left it (None when the ref is absent). A protected ref that names another
+        checkpoint moves only with ``overwrite=True`` (ProtectedRef otherwise, see ``_guarded``).
         """
-        return self.refs_store.update(name, fn, op=op, message=message, attempts=attempts)
+        return self.refs_store.update(
+            name, self._guarded(name, fn, overwrite), op=op, message=message, attempts=attempts
+        )
 
     def set_ref(
         self,
@@ -108,13 +124,45 @@ class RefOperations:
         expected: Digest | Any | None = _ANY,
         op: str = "set",
         message: str = "",
+        overwrite: bool = False,
     ) -> RefRecord:
         """Point ``name`` at the stored manifest ``target``; ``expected`` as in ``RefStore.set``.
 
         For pointers to a manifest this process just wrote (``latest``); to copy what another
-        ref names, use ``cp``, which also keeps its objects safe from a concurrent GC.
+        ref names, use ``cp``, which also keeps its objects safe from a concurrent GC. A
+        protected ref that names another checkpoint moves only with ``overwrite=True``.
         """
-        return self.refs_store.set(name, target, expected=expected, op=op, message=message)
+        ref = parse_ref_name(name)
+        point = self._guarded(ref, pointing(ref, target, expected), overwrite)
+        record = self.refs_store.update(ref, point, op=op, message=message)
+        assert record is not None
+        return record
+
+    def check_replaceable(self, name: str, *, overwrite: bool = False) -> None:
+        """ProtectedRef now if a write to ``name`` would replace a protected ref: for writers
+        to call before their chunks, so a refused save costs no I/O (the commit checks again)."""
+        protection = None if overwrite else self.ref_protection(name)
+        current = self.refs_store.try_get(name) if protection is not None else None
+        if protection is not None and current is not None:
+            raise ProtectedRef(name, protection, current.target)
+
+    def _guarded(self, name: str, fn: UpdateFn, overwrite: bool) -> UpdateFn:
+        """``fn``, refusing to replace a protected ref (``ref_protection``) that names another
+        checkpoint unless ``overwrite``: ProtectedRef, and nothing moves. Checked against every
+        record the compare-and-swap reads, so a protected ref created by a racing writer is not
+        replaced either. Creating a ref, keeping it, pointing it where it already points and
+        deleting it (an explicit ``rm``) pass."""
+        protection = None if overwrite else self.ref_protection(name)
+        if protection is None:
+            return fn
+
+        def guarded(current: RefRecord | None) -> Digest | RefChange:
+            decision = fn(current)
+            if current is None or isinstance(decision, RefChange) or decision == current.target:
+                return decision
+            raise ProtectedRef(name, protection, current.target)
+
+        return guarded
 
     def rm(self, ref: str, *, expected: Digest | None = None) -> Digest:
         """Delete a ref (its chunks stay until GC finds them unreachable); return its target.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
-from cas.errors import AlreadyExists, FormatError, NotFound, NothingSelected
+from cas.errors import FormatError, NotFound, NothingSelected
 from cas.model.describe import DiffEntry, diff_manifests, tensor_table
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry, decode_manifest
 from cas.model.state import (
@@ -89,11 +89,14 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         codec: str | None = None,
         parent: str | None = None,
         progress: Progress | None = None,
+        overwrite: bool = False,
     ) -> Digest:
         """Ingest a file or a directory (e.g. an HF ``checkpoint-N/``) byte-for-byte under ``ref``.
 
         ``parent`` (default: the ref's current target) is the delta base for the tensors inside
-        known formats, matched by file and tensor name (or tensor name alone).
+        known formats, matched by file and tensor name (or tensor name alone). A gate, a
+        ``best`` pointer or a ref the stored policy protects is replaced only with
+        ``overwrite=True`` (ProtectedRef otherwise, before any chunk is written).
         """
         return ingest_path(
             self,
@@ -105,6 +108,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             codec=codec,
             parent=parent,
             progress=progress,
+            overwrite=overwrite,
         )
 
     # -- reading -------------------------------------------------------------------------------
@@ -268,17 +272,13 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
 
         A gate, a ``best`` pointer or a ref the stored policy protects (``ref_protection``) that
         already names another checkpoint is replaced only with ``overwrite=True``; otherwise
-        AlreadyExists, and nothing moves (checked by compare-and-swap, so a racing copy cannot
-        slip in between). The source's manifest and chunks are touched under a writer lease
-        first: ``src`` may be a history entry or a digest GC found unreachable, or a ref deleted
-        meanwhile, and a GC sweeping now must spare what ``dst`` is about to name.
+        ProtectedRef (an AlreadyExists), and nothing moves (checked on the record the
+        compare-and-swap reads, so a racing copy cannot slip in between). The source's manifest
+        and chunks are touched under a writer lease first: ``src`` may be a history entry or a
+        digest GC found unreachable, or a ref deleted meanwhile, and a GC sweeping now must
+        spare what ``dst`` is about to name.
         """
         parse_ref_name(dst)
-        expected: Digest | Any | None = _ANY
-        protection = None if overwrite else self.ref_protection(dst)
-        if protection is not None:
-            current = self.find_ref(dst)
-            expected = current.target if current is not None else None
         digest = self.resolve(src)
         manifest = decode_manifest(self.objects.get_manifest(digest))
         for kind, digests in (
@@ -297,8 +297,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             sub = subset_manifest(manifest, patterns, parent=digest, created_at=self.clock())
             digest = self.put_manifest(sub)
             message = message or f"cp {src} --only {' '.join(patterns)}"
-        _refuse_replacing(dst, protection, expected, digest)
-        self.set_ref(dst, digest, expected=expected, op="cp", message=message or f"cp {src}")
+        self.set_ref(dst, digest, op="cp", message=message or f"cp {src}", overwrite=overwrite)
         return digest
 
     def show(self, ref: str) -> dict[str, Any]:
@@ -331,16 +330,6 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         """Entries that differ between two checkpoints (``same``: and those that do not),
         compared by chunk digests, not bytes; tensors inside ingested files one by one."""
         return diff_manifests(self.manifest(a), self.manifest(b), same=same)
-
-
-def _refuse_replacing(dst: str, protection: str | None, current: Any, digest: Digest) -> None:
-    """AlreadyExists if ``dst`` is protected and names a checkpoint other than ``digest``."""
-    if protection is None or current is None or current == digest:
-        return
-    raise AlreadyExists(
-        f"{dst} is {protection} and already names {current[:16]}; "
-        "replace it explicitly (overwrite=True, `cas cp --force`)"
-    )
 
 
 def _nothing_selected(ref: str, patterns: list[str], manifest: Manifest) -> None:

@@ -160,11 +160,13 @@ def commit_shards(
     poll: float = 0.2,
     sleep: Callable[[float], None] = time.sleep,
     keep_staging: bool = False,
+    overwrite: bool = False,
 ) -> Digest:
     """Merge the ``world_size`` shards of ``run_id`` into one manifest and point ``ref`` at it.
 
     Waits up to ``timeout`` seconds (by ``repo.clock``) for missing shards. ``expected`` makes the
-    ref update a compare-and-swap against that digest, as in ``Repository.save``.
+    ref update a compare-and-swap against that digest, and ``overwrite`` replaces a protected
+    ref, as in ``Repository.save``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
@@ -190,7 +192,12 @@ def commit_shards(
         chunk_size=repo.config.chunk_size,
     )
     digest = repo.commit(
-        manifest, name, expected=expected, op="commit-shards", message=f"{world_size} shards"
+        manifest,
+        name,
+        expected=expected,
+        op="commit-shards",
+        message=f"{world_size} shards",
+        overwrite=overwrite,
     )
     if not keep_staging:
         for rank, shard in enumerate(shards.digests):

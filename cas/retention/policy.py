@@ -391,25 +391,27 @@ PRECIOUS_REFS: tuple[tuple[str, str], ...] = (
     ("**/gates/**", "a gate"),
     ("**/best", "a best pointer"),
 )
-"""Refs no copy replaces without being told to, whatever policy the store holds."""
+"""Refs no writer replaces without being told to, whatever policy the store holds."""
 
 
 def protection_of(name: str, policy: RetentionPolicy | None) -> str | None:
     """Why replacing the ref ``name`` needs an explicit overwrite (None: it does not).
 
-    Gates and ``best`` pointers always do; so does any ref the stored policy protects by name:
-    its ``protect`` patterns, a rule's ``protect`` patterns, and the pointers a rule's
-    ``protect_targets_of`` names (their targets are protected because the pointers matter).
+    Gates and ``best`` pointers always do; so does any ref the stored policy protects by name
+    (its ``protect`` patterns and its rules' ``protect`` patterns). A pointer a rule's
+    ``protect_targets_of`` names (a ``latest``) does not: the policy protects what it points
+    at, and moving it at every save is what it is for.
     """
     for pattern, what in PRECIOUS_REFS:
         if ref_matches(name, pattern):
             return what
     if policy is None:
         return None
+    if any(ref_matches(name, p) for rule in policy.rules for p in rule.protect_targets_of):
+        return None
     patterns = [*policy.protect]
     for rule in policy.rules:
         patterns.extend(rule.protect)
-        patterns.extend(rule.protect_targets_of)
     for pattern in patterns:
         if ref_matches(name, pattern):
             return f"protected by the store's retention policy ({pattern})"

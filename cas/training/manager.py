@@ -22,7 +22,6 @@ of ``best`` by push, so a corrupt gate can be healed from it (``cas.training.run
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
 from cas.errors import CASError, NotFound
-from cas.refs.records import RefRecord
 from cas.refs.store import RefChange
 from cas.repo.repository import Repository
 from cas.retention.policy import RetentionPolicy
@@ -59,7 +57,7 @@ from cas.training.restore import (
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
 from cas.training.runrefs import RunRefs, open_mirror
-from cas.training.saves import PendingSave, PreparedSave, SaveResult, beats_best, user_metadata
+from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
 from cas.training.schema import Migration, SchemaMismatch, UserSchema
 from cas.training.signals import SignalTriggers
 
@@ -279,6 +277,7 @@ class CheckpointManager(RunRefs):
                 expected=previous.digest,
                 op="save",
                 message="final",
+                overwrite=True,  # the same checkpoint, re-committed as completed
             )
             self._write_history.append(records)
             best = self._write_repo.update_ref(  # best follows its checkpoint to the new manifest
@@ -286,6 +285,7 @@ class CheckpointManager(RunRefs):
                 lambda c: digest if c and c.target == previous.digest else RefChange.KEEP,
                 op="best",
                 message=previous.ref,
+                overwrite=True,
             )
             result = self._publish(prepared, digest, start, manifest.logical_bytes(), 0)
         moved = best is not None and best.target == digest
@@ -385,9 +385,7 @@ class CheckpointManager(RunRefs):
     def _write_leased(self, prepared: PreparedSave) -> SaveResult:
         start = time.perf_counter()
         try:
-            digest = self._write_repo.save(
-                prepared.tree, prepared.ref, prepared.meta, message=prepared.trigger
-            )
+            digest = self._save_step(self._write_repo, prepared)
             stats = self._write_repo.last_write
             self._write_history.append(prepared.records)
         except BaseException:
@@ -397,13 +395,26 @@ class CheckpointManager(RunRefs):
             raise
         return self._publish(prepared, digest, start, stats.logical_bytes, stats.new_bytes)
 
+    def _save_step(self, repo: Repository, prepared: PreparedSave) -> Digest:
+        """Save ``prepared`` to its step ref. The run owns its step refs, so it replaces one the
+        policy protects: a run resumed from an earlier checkpoint saves the later steps again.
+        That is said in a warning; what the ref named stays in its history (``cas log``)."""
+        before = repo.find_ref(prepared.ref) if repo.ref_protection(prepared.ref) else None
+        tree, ref, meta, trigger = prepared.tree, prepared.ref, prepared.meta, prepared.trigger
+        digest = repo.save(tree, ref, meta, message=trigger, overwrite=True)
+        if before is not None and before.target != digest:
+            log.warning("re-saved step %d over %s, which named %s", prepared.step, ref,
+                        before.target[:16])  # fmt: skip
+        return digest
+
     def _publish(
         self, prepared: PreparedSave, digest: Digest, start: float, logical: int, new: int
     ) -> SaveResult:
         """Move ``latest`` and ``best`` to the committed ``digest``, then run the policy."""
-        self._write_repo.set_ref(
-            self.latest_ref, digest, expected=self._latest_target, op="save", message=prepared.ref
-        )
+        self._write_repo.set_ref(  # the run's own pointer: moving it is what it is for
+            self.latest_ref, digest, expected=self._latest_target, op="save",
+            message=prepared.ref, overwrite=True,
+        )  # fmt: skip
         self._latest_target = digest
         is_best = self._update_best(digest, prepared)
         mirror_error = self._mirror_best(prepared.phase, digest)
@@ -438,37 +449,6 @@ class CheckpointManager(RunRefs):
         else:
             apply = getattr(self.policy, "apply", None)
             (apply or self.policy)(self.repo)
-
-    def _update_best(self, digest: Digest, prepared: PreparedSave) -> bool:
-        if self.best is None:
-            return False
-        key, mode = self.best
-        value = prepared.meta["metrics"].get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-            return False
-        best_ref = self.layout.best.format(run=self.run, phase=prepared.phase)
-
-        def better_of(current: RefRecord | None) -> Digest | RefChange:
-            if current is not None:
-                current_value = self._best_value(current.target, key)
-                if current_value is not None and not beats_best(float(value), current_value, mode):
-                    return RefChange.KEEP  # the best so far (perhaps another writer's) stands
-            return digest
-
-        record = self._write_repo.update_ref(best_ref, better_of, op="best", message=prepared.ref)
-        if record is None or record.target != digest:
-            return False
-        self._best_cache = (digest, float(value))
-        return True
-
-    def _best_value(self, digest: Digest, key: str) -> float | None:
-        if self._best_cache is not None and self._best_cache[0] == digest:
-            return self._best_cache[1]
-        value = self._write_repo.manifest(digest).meta.get("metrics", {}).get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            self._best_cache = (digest, float(value))
-            return float(value)
-        return None
 
     def wait(self) -> None:
         """Wait for every save in flight; raise a background failure."""

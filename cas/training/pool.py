@@ -209,7 +209,7 @@ class OpponentPool:
                 )
             )  # fmt: skip
 
-        self.repo.update_ref(self.counter_ref, claim, op="pool-claim")
+        self.repo.update_ref(self.counter_ref, claim, op="pool-claim", overwrite=True)
         return claimed
 
     def promote(
@@ -292,7 +292,8 @@ class OpponentPool:
             rated = _entry_from(ref, digest, meta)
             return digest
 
-        self.repo.update_ref(ref, rerate, op="pool-rate")
+        # The pool's own rating of its own entry (anchors refuse above): an explicit move.
+        self.repo.update_ref(ref, rerate, op="pool-rate", overwrite=True)
         assert rated is not None
         return rated
 

@@ -1,22 +1,26 @@
 """A run's named refs: where its checkpoints, ``latest``, ``best``, gates and pool live, and
 what they name.
 
-``RunRefs`` is the part of ``CheckpointManager`` that only reads and copies refs (no tensor is
+``RunRefs`` is the part of ``CheckpointManager`` that reads, copies and moves refs (no tensor is
 written here), kept apart so the manager's save and resume logic reads on its own.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cas.digest import Digest
 from cas.errors import CASError
+from cas.refs.records import RefRecord
+from cas.refs.store import RefChange
 from cas.repo.repository import Repository
 from cas.training.compat import check_keys
 from cas.training.restore import load_checkpoint, unwrap
 from cas.training.run_names import Layout
+from cas.training.saves import PreparedSave, beats_best
 from cas.training.schema import UserSchema
 
 if TYPE_CHECKING:
@@ -48,6 +52,9 @@ class RunRefs:
     """A second store (an S3 archive...) that gates and ``best`` are pushed to on promotion,
     so ``cas verify --full --repair-from`` there can heal them."""
     schema: UserSchema
+    best: tuple[str, str] | None
+    _write_repo: Repository
+    _best_cache: tuple[Digest, float] | None
 
     def wait(self) -> None:
         """Wait for saves in flight (the manager's); pointers are read after them."""
@@ -129,6 +136,41 @@ class RunRefs:
         except CASError as e:
             log.warning("%s moved, but was not mirrored: %s", best_ref, e)
             return f"{type(e).__name__}: {e}"
+        return None
+
+    def _update_best(self, digest: Digest, prepared: PreparedSave) -> bool:
+        """Move this phase's ``best`` to ``digest`` if its metric beats the current best's."""
+        if self.best is None:
+            return False
+        key, mode = self.best
+        value = prepared.meta["metrics"].get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            return False
+        best_ref = self.layout.best.format(run=self.run, phase=prepared.phase)
+
+        def better_of(current: RefRecord | None) -> Digest | RefChange:
+            if current is not None:
+                current_value = self._best_value(current.target, key)
+                if current_value is not None and not beats_best(float(value), current_value, mode):
+                    return RefChange.KEEP  # the best so far (perhaps another writer's) stands
+            return digest
+
+        # The manager's own metric comparison is what moves best: an explicit replacement.
+        record = self._write_repo.update_ref(
+            best_ref, better_of, op="best", message=prepared.ref, overwrite=True
+        )
+        if record is None or record.target != digest:
+            return False
+        self._best_cache = (digest, float(value))
+        return True
+
+    def _best_value(self, digest: Digest, key: str) -> float | None:
+        if self._best_cache is not None and self._best_cache[0] == digest:
+            return self._best_cache[1]
+        value = self._write_repo.manifest(digest).meta.get("metrics", {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._best_cache = (digest, float(value))
+            return float(value)
         return None
 
     def load_gate(

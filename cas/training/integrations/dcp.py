@@ -84,12 +84,19 @@ def _ref_for(checkpoint_id: str | os.PathLike[str] | None, rank: int | None = No
 
 
 class CASStorageWriter(StorageWriter):  # type: ignore[misc,unused-ignore]
-    """Writes a DCP checkpoint into ``repo`` under the ref ``checkpoint_id``."""
+    """Writes a DCP checkpoint into ``repo`` under the ref ``checkpoint_id``.
 
-    def __init__(self, repo: Repository, checkpoint_id: str | None = None) -> None:
+    A gate, a ``best`` pointer or a ref the stored policy protects is replaced only with
+    ``overwrite=True`` (checked before any byte is written, and again at the commit).
+    """
+
+    def __init__(
+        self, repo: Repository, checkpoint_id: str | None = None, *, overwrite: bool = False
+    ) -> None:
         super().__init__()
         self.repo = repo
         self.checkpoint_id = checkpoint_id
+        self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank: int | None = None
@@ -108,8 +115,9 @@ class CASStorageWriter(StorageWriter):  # type: ignore[misc,unused-ignore]
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Validate the ref before any byte is written."""
-        _ref_for(self.checkpoint_id)
+        """Validate the ref, and that it may be written, before any byte is written."""
+        ref = _ref_for(self.checkpoint_id, self.rank if not self.use_collectives else None)
+        self.repo.check_replaceable(ref, overwrite=self.overwrite)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -175,7 +183,9 @@ class CASStorageWriter(StorageWriter):  # type: ignore[misc,unused-ignore]
             meta={"source": "torch.distributed.checkpoint", "format": DCP_FORMAT},
             created_at=self.repo.clock(), chunk_size=self.repo.config.chunk_size,
         )  # fmt: skip
-        self.repo.commit(manifest, ref, op="dcp-save", message=self.save_id)
+        self.repo.commit(
+            manifest, ref, op="dcp-save", message=self.save_id, overwrite=self.overwrite
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         """Identifies this save in the metadata."""

@@ -85,8 +85,12 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
                 "best_metric": state.best_metric}  # fmt: skip
 
         def ingest(_: None) -> Digest:
-            digest = self.repo.put_path(directory, ref, meta, allow_opaque_pickles=True)
-            self.repo.set_ref(f"{prefix}/latest", digest, op="save", message=ref)
+            # The run owns its step refs and latest: a Trainer resumed from an earlier
+            # checkpoint saves the later steps again, replacing them even where protected.
+            digest = self.repo.put_path(
+                directory, ref, meta, allow_opaque_pickles=True, overwrite=True
+            )
+            self.repo.set_ref(f"{prefix}/latest", digest, op="save", message=ref, overwrite=True)
             self.stored.append((step, ref, digest))
             self._stored_dirs.append(directory)
             return digest

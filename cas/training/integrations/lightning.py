@@ -72,12 +72,19 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         path: str | os.PathLike[str],
         storage_options: Any | None = None,
     ) -> None:
-        """Store ``checkpoint`` under the ref of ``path``; then point ``latest`` at it."""
+        """Store ``checkpoint`` under the ref of ``path``; then point ``latest`` at it.
+
+        Lightning's ``last.ckpt`` (``last-v1.ckpt`` on a re-run) and ``latest`` are pointers it
+        moves at every save, so they are replaced even where the stored policy protects them;
+        any other checkpoint already stored under a protected ref is refused (ProtectedRef).
+        """
         ref = self.ref_for(path)
         meta = {"source": "lightning", "path": os.fspath(path),
                 "epoch": checkpoint.get("epoch"), "step": checkpoint.get("global_step")}  # fmt: skip
-        digest = self.repo.save(checkpoint, ref, {k: v for k, v in meta.items() if v is not None})
-        self.repo.set_ref(f"{self.prefix}/latest", digest, op="save", message=ref)
+        pointer = _is_last(PurePath(os.fspath(path)).name)
+        meta = {k: v for k, v in meta.items() if v is not None}
+        digest = self.repo.save(checkpoint, ref, meta, overwrite=pointer)
+        self.repo.set_ref(f"{self.prefix}/latest", digest, op="save", message=ref, overwrite=True)
 
     def load_checkpoint(
         self,
@@ -105,9 +112,17 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
 
 
 def _last_pattern(callback: ModelCheckpoint) -> re.Pattern[str]:
-    """The file names Lightning counts as a callback's last checkpoint (``last.ckpt``, ``last-v1.ckpt``)."""
+    """The file names Lightning counts as a callback's last checkpoint (``last.ckpt``,
+    ``last-v1.ckpt``): as its own ``_find_last_checkpoints``, any whose stem starts with the
+    last name and whose suffix is the checkpoint extension."""
     name, ext = re.escape(callback.CHECKPOINT_NAME_LAST or ""), re.escape(callback.FILE_EXTENSION)
-    return re.compile(rf"^{name}(-(\d+))?{ext}$")
+    return re.compile(rf"^{name}.*{ext}$", re.DOTALL)
+
+
+def _is_last(name: str) -> bool:
+    """Whether a file name is one Lightning gives its ``last`` checkpoint (``last-v1.ckpt``...)."""
+    last, ext = re.escape(ModelCheckpoint.CHECKPOINT_NAME_LAST or ""), re.escape(".ckpt")
+    return bool(last) and re.fullmatch(rf"{last}(-v\d+)?{ext}", name) is not None
 
 
 def _is_cas(fs: Any) -> bool:
