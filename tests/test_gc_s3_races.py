@@ -329,12 +329,11 @@ def test_a_chunk_corrupted_on_s3_is_healed_by_a_push_and_by_a_save_of_the_same_d
     for name in ("runs/a/latest", "runs/b/latest"):
         assert_bit_exact(remote.load(name), first)
 
-    # A direct save of the same tensors.
+    # A direct save of the same tensors, before any reader saw the damage: a chunk this small
+    # is verified in full by the one read that finds it stored, and written again.
     flip_payload_byte(seaweed, s3_url, victim)
-    with pytest.raises(IntegrityError):
-        remote.load("runs/a/latest")  # the reader sets it aside...
-    remote.save(first, "runs/c/latest")  # ...and the next save stores it again
+    remote.save(first, "runs/c/latest")
     for name in ("runs/a/latest", "runs/b/latest", "runs/c/latest"):
         assert_bit_exact(remote.load(name), first)
     assert remote.verify(level="full").ok
-    assert len(remote.objects.quarantined()) == 2
+    assert len(remote.objects.quarantined()) == 1  # only the copy the first verify set aside
