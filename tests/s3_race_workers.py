@@ -17,10 +17,12 @@ from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.errors import LeaseExpired
 from cas.repo.config import StoreConfig
 from cas.retention.gc import GCSettings
-from tests.gc_workers import CHUNK, SHARED, state
+from tests.gc_workers import CHUNK, state
 
 KEEP_LAST = 3
 """What the racing ``forget`` keeps of each pusher's checkpoints: the newest three."""
+POOL = 6
+"""Tensors each pusher draws its reused one from."""
 
 
 def push_loop(local_dir: str, url: str, writer: int, seconds: float) -> dict[str, Any]:
@@ -41,9 +43,10 @@ def push_loop(local_dir: str, url: str, writer: int, seconds: float) -> dict[str
     deadline = time.monotonic() + seconds
     index = 0
     while time.monotonic() < deadline:
-        # One shared tensor: the refs kept name at most 9 of 12, so a push often reuses a chunk
-        # GC is about to delete.
-        seeds = [rng.randrange(SHARED), 2_000_000 * (writer + 1) + index]
+        # One tensor from this pusher's own pool of 6: the refs kept name at most 3, so a push
+        # often reuses a chunk GC is about to delete, and no other pusher heals a loss by
+        # uploading it again before the check below.
+        seeds = [1000 * (writer + 1) + rng.randrange(POOL), 2_000_000 * (writer + 1) + index]
         ref = f"w{writer}/ckpt_{index:05d}"
         index += 1
         local.save(state(*seeds), ref)
