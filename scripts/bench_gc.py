@@ -279,7 +279,8 @@ def run(
     s3_chunks = s3_chunks if s3_chunks is not None else (5_000 if quick else 100_000)
     rows = []
     s3_rows = []
-    print(f"load average before: {os.getloadavg()[0]:.2f} (the machine may be shared)")
+    load_before = os.getloadavg()[0]
+    print(f"load average before: {load_before:.2f} (the machine may be shared)")
     with tempfile.TemporaryDirectory(
         prefix="cas-bench-gc-", dir=os.environ.get("CAS_BENCH_DIR")
     ) as tmp:
@@ -308,7 +309,8 @@ def run(
         }
     for name, target in targets.items():
         print(f"  {name:<32} {target['value']:.2f} (target {target['target']})")
-    return {"rows": rows, "s3_rows": s3_rows, "targets": targets}
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return {"rows": rows, "s3_rows": s3_rows, "targets": targets, "load_average": load}
 
 
 def main() -> None:
