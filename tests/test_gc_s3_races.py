@@ -315,17 +315,24 @@ def test_a_chunk_corrupted_on_s3_is_healed_by_a_push_and_by_a_save_of_the_same_d
     local.push(remote, ["runs/a/latest"])
     victim, *_ = sorted(remote.manifest(remote.resolve("runs/a/latest")).chunk_digests())
 
-    # A push of the same data under a new ref from a good store.
+    # A push of the same data under a new ref from a good store, before any reader saw the
+    # damage: the one read that checks what the push reuses returns a chunk this small whole.
     flip_payload_byte(seaweed, s3_url, victim)
     local.save(first, "runs/b/latest")
-    local.push(remote, ["runs/b/latest"])
-    report = remote.verify(level="full")  # every ref it breaks is named, and it is set aside
+    assert local.push(remote, ["runs/b/latest"]).chunks_rewritten == 1
+    for name in ("runs/a/latest", "runs/b/latest"):
+        assert_bit_exact(remote.load(name), first)
+
+    # Found by a reader first: verify names every ref it breaks and sets it aside, and a
+    # re-push copies it again.
+    flip_payload_byte(seaweed, s3_url, victim)
+    report = remote.verify(level="full")
     assert [(p.kind, p.refs) for p in report.problems] == [
         ("corrupt-chunk", ("runs/a/latest", "runs/b/latest"))
     ]
     with pytest.raises(IntegrityError, match="quarantined"):
         remote.load("runs/b/latest")
-    assert local.push(remote, ["runs/b/latest"]).chunks_moved == 1  # the re-push heals it
+    assert local.push(remote, ["runs/b/latest"]).chunks_moved == 1
     for name in ("runs/a/latest", "runs/b/latest"):
         assert_bit_exact(remote.load(name), first)
 

@@ -43,9 +43,8 @@ MAX_DELTA_DEPTH = 64
 CREATE_ATTEMPTS = 3
 """Create-only puts of a chunk that keeps vanishing right after losing, before it is overwritten."""
 HEAD_READ = 16 << 10
-"""Bytes a put reads from a chunk already stored: its header, which says whether it may be
-reused, and the whole object when it is no larger, so a small one is verified in full for the
-price of that one request."""
+"""Bytes read from a chunk already stored to tell whether it may be reused: its header, and the
+whole object when it is no larger, so a small one is verified in full for the one request."""
 
 
 def chunk_key(digest: Digest) -> str:
@@ -149,7 +148,7 @@ class ObjectStore:
             raise IntegrityError(f"bytes given as chunk {expected} hash to {digest}; not stored")
         key = chunk_key(digest)
         if not replace:
-            present, base = self._stored_base(digest, len(view))
+            present, base = self.stored_base(digest, len(view))
             if present:
                 if not freshen:
                     return PutResult(digest, len(view), 0, False, base)
@@ -198,7 +197,7 @@ class ObjectStore:
         for _ in range(CREATE_ATTEMPTS):
             if self.blobs.put_if_absent(key, parts):
                 return True, None
-            present, base = self._stored_base(digest, size)
+            present, base = self.stored_base(digest, size)
             if present:
                 try:
                     if freshen:
@@ -210,11 +209,12 @@ class ObjectStore:
                 break  # damaged: no manifest can depend on how it is encoded
         return None  # the caller overwrites it
 
-    def _stored_base(self, digest: Digest, size: int) -> tuple[bool, Digest | None]:
-        """``(present and sound, base)`` of a stored chunk of ``size`` decoded bytes, from one
-        read of its first ``HEAD_READ`` bytes. A header that is unreadable or declares another
-        size is not sound, nor is a chunk read whole (small, and needing no base) whose bytes do
-        not decode to ``digest``: all are rewritten. Larger chunks are judged by their header
+    def stored_base(self, digest: Digest, size: int | None = None) -> tuple[bool, Digest | None]:
+        """``(present and sound, base)`` of a stored chunk (of ``size`` decoded bytes, if
+        given), from one read of its first ``HEAD_READ`` bytes: whether a writer may reuse it. A
+        header that is unreadable or declares another size is not sound, nor is a chunk read
+        whole (small, and needing no base) whose bytes do not decode to ``digest``: writers
+        store those again. Larger chunks are judged by their header
         alone; verifying them would cost a download per reuse (a reader that finds one corrupt
         quarantines it, and the next put stores it again).
         """
@@ -224,12 +224,14 @@ class ObjectStore:
             codec = codec_by_id(envelope.codec_id)
         except (NotFound, FormatError):
             return False, None
-        if envelope.decoded_size != size:
+        if size is not None and envelope.decoded_size != size:
             return False, None
         if len(head) < HEAD_READ and not codec.needs_base:
             payload = memoryview(head)[envelope.payload_offset :]
             try:
-                decoded = codec.decode(envelope.params, payload, size, self.get_chunk)
+                decoded = codec.decode(
+                    envelope.params, payload, envelope.decoded_size, self.get_chunk
+                )
             except FormatError:
                 return False, None
             if digest_of(decoded) != digest:
