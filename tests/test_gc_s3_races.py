@@ -106,7 +106,8 @@ def test_pushes_from_three_processes_racing_forget_and_gc_lose_nothing_on_s3(
     assert [p for o in outcomes for p in o["problems"]] == []
     pushes = {ref: seeds for o in outcomes for ref, seeds in o["pushed"]}
     assert len(pushes) > 15 and forgotten > 6 and sum(r.deleted_chunks for r in results) > 20
-    assert sum(o["refused"] for o in outcomes) <= len(pushes) // 10  # refusals stay rare
+    # A refusal is a push a deletion overlapped and took from: rare, even with slow deletes.
+    assert sum(o["refused"] for o in outcomes) <= len(pushes) // 5
     names = {r.name for r in repo.refs()}
     for outcome in outcomes:  # each pusher's newest pushes are all still named
         assert {ref for ref, _ in outcome["pushed"][-KEEP_LAST:]} <= names
@@ -219,7 +220,8 @@ def test_gc_killed_with_the_server_mid_sweep_loses_no_save_and_blocks_nothing_af
     before = stored_chunks(server, "crash", "gc-killed")
     assert before >= reachable + 600
     time.sleep(1.1)  # older than GC's cutoff: S3 mtimes count whole seconds
-    gc = subprocess.Popen([*WORKERS, "gc", url, "0.3"], cwd=ROOT)
+    # A second per delete: the one batch of 600 lasts ~10 s, and it is killed in its first.
+    gc = subprocess.Popen([*WORKERS, "gc", url, "1.0"], cwd=ROOT)
     wait_for(
         lambda: stored_chunks(server, "crash", "gc-killed") <= before - 64,
         60,
