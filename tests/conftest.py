@@ -43,6 +43,24 @@ def s3_url(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> str:
     return f"s3://{SESSION_BUCKET}/{uuid.uuid4().hex}"
 
 
+@pytest.fixture
+def private_seaweed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SeaweedServer]:
+    """A SeaweedFS of this test's own with the bucket ``crash``, so stopping or killing it
+    disturbs no other test."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", DUMMY_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", DUMMY_SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    for leaking in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(leaking, raising=False)
+    server = SeaweedServer(tmp_path / "seaweed", weed=require_weed())
+    server.start()
+    try:
+        server.make_bucket("crash")
+        yield server
+    finally:
+        server.stop()
+
+
 # A full disk: a small tmpfs that writes fill up (ENOSPC).
 
 

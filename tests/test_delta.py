@@ -216,17 +216,20 @@ def test_a_reused_chunk_whose_base_is_gone_is_rewritten(tmp_path: Path) -> None:
 def _absent_at_first_look(monkeypatch: pytest.MonkeyPatch, keys: set[str]) -> None:
     """Make the first presence check of each key report it absent, as when two writers check a
     new chunk at the same moment: the writer goes on to encode and store it."""
-    real = ObjectStore._stored_base
+    real = ObjectStore.stored_base
     looked: set[str] = set()
     lock = threading.Lock()
 
-    def stored_base(self: ObjectStore, key: str, size: int) -> tuple[bool, Digest | None]:
+    def stored_base(
+        self: ObjectStore, digest: Digest, size: int | None = None
+    ) -> tuple[bool, Digest | None]:
+        key = chunk_key(digest)
         with lock:
             first = key in keys and key not in looked
             looked.add(key)
-        return (False, None) if first else real(self, key, size)
+        return (False, None) if first else real(self, digest, size)
 
-    monkeypatch.setattr(ObjectStore, "_stored_base", stored_base)
+    monkeypatch.setattr(ObjectStore, "stored_base", stored_base)
 
 
 def _record_puts(monkeypatch: pytest.MonkeyPatch) -> list[PutResult]:

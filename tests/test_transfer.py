@@ -8,7 +8,6 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,8 @@ from cas.repo.config import StoreConfig, write_config
 from cas.repo.repository import Repository
 from cas.sync.transfer import TransferConflict
 from cas.testing.faulty import FaultyBlobStore
-from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer
+from cas.testing.seaweed import SeaweedServer
 from tests.helpers import assert_bit_exact, small_chunk_repo
-from tests.prerequisites import require_weed
 
 CHUNK = 64 << 10
 
@@ -182,23 +180,6 @@ def test_a_push_that_finds_missing_chunks_by_listing_moves_only_those(
     assert report.lookup == "list"
     assert report.bytes_moved == state["model"]["layer00.weight"].numel() * 4
     assert_bit_exact(remote.load("b"), state)
-
-
-@pytest.fixture
-def private_seaweed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SeaweedServer]:
-    """A SeaweedFS of this test's own, so stopping it disturbs no other test."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", DUMMY_ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", DUMMY_SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-    for leaking in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
-        monkeypatch.delenv(leaking, raising=False)
-    server = SeaweedServer(tmp_path / "seaweed", weed=require_weed())
-    server.start()
-    try:
-        server.make_bucket("crash")
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.s3

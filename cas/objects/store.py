@@ -42,6 +42,9 @@ MAX_DELTA_DEPTH = 64
 """A base chain deeper than this is treated as corrupt (a cycle or a hostile store)."""
 CREATE_ATTEMPTS = 3
 """Create-only puts of a chunk that keeps vanishing right after losing, before it is overwritten."""
+HEAD_READ = 16 << 10
+"""Bytes read from a chunk already stored to tell whether it may be reused: its header, and the
+whole object when it is no larger, so a small one is verified in full for the one request."""
 
 
 def chunk_key(digest: Digest) -> str:
@@ -133,7 +136,8 @@ class ObjectStore:
         Presence is learnt from the stored header, which also gives the base an existing chunk
         was delta-encoded against. A chunk found absent is written create-only: if another writer
         stored it meanwhile, its encoding stays and the result carries its base. An existing
-        chunk whose header is unreadable (damaged, or an unknown codec) is written again;
+        chunk whose header is unreadable (damaged, or an unknown codec) is written again, and so
+        is a small one (``HEAD_READ``) that does not decode to ``data``;
         ``replace=True`` always writes, e.g. to re-encode a chunk standalone when its stored base
         chain is broken (safe against any writer: a standalone chunk needs no base). Decoded
         bytes, hence identity, never change.
@@ -144,7 +148,7 @@ class ObjectStore:
             raise IntegrityError(f"bytes given as chunk {expected} hash to {digest}; not stored")
         key = chunk_key(digest)
         if not replace:
-            present, base = self._stored_base(key, len(view))
+            present, base = self.stored_base(digest, len(view))
             if present:
                 if not freshen:
                     return PutResult(digest, len(view), 0, False, base)
@@ -162,7 +166,7 @@ class ObjectStore:
         if replace:
             self.blobs.put(key, (header, payload))
         else:
-            outcome = self._create(key, (header, payload), freshen, len(view))
+            outcome = self._create(digest, (header, payload), freshen, len(view))
             if outcome is None:
                 # Damaged, or gone again after every lost create: overwrite it, standalone, so
                 # whichever of several repairing writers lands last, no manifest needs its base.
@@ -177,7 +181,7 @@ class ObjectStore:
         return PutResult(digest, len(view), len(header) + len(payload), True, base)
 
     def _create(
-        self, key: str, parts: tuple[bytes, bytes | memoryview], freshen: bool, size: int
+        self, digest: Digest, parts: tuple[bytes, bytes | memoryview], freshen: bool, size: int
     ) -> tuple[bool, Digest | None] | None:
         """Write a new chunk create-only: ``(True, None)`` if this call stored it, else
         ``(False, base)`` with the base of the encoding another writer stored first.
@@ -189,10 +193,11 @@ class ObjectStore:
         it like any reused chunk. ``None`` says the caller must overwrite: the chunk is there but
         unreadable (damaged), or it vanished right after each lost create.
         """
+        key = chunk_key(digest)
         for _ in range(CREATE_ATTEMPTS):
             if self.blobs.put_if_absent(key, parts):
                 return True, None
-            present, base = self._stored_base(key, size)
+            present, base = self.stored_base(digest, size)
             if present:
                 try:
                     if freshen:
@@ -204,22 +209,33 @@ class ObjectStore:
                 break  # damaged: no manifest can depend on how it is encoded
         return None  # the caller overwrites it
 
-    def _stored_base(self, key: str, size: int) -> tuple[bool, Digest | None]:
-        """``(present and sound, base)`` of a stored chunk of ``size`` decoded bytes, from its
-        header only. A header that is unreadable or declares another size is not sound, nor is
-        a raw chunk read whole (small) whose length is not header + ``size``: all are rewritten.
+    def stored_base(self, digest: Digest, size: int | None = None) -> tuple[bool, Digest | None]:
+        """``(present and sound, base)`` of a stored chunk (of ``size`` decoded bytes, if
+        given), from one read of its first ``HEAD_READ`` bytes: whether a writer may reuse it. A
+        header that is unreadable or declares another size is not sound, nor is a chunk read
+        whole (small, and needing no base) whose bytes do not decode to ``digest``: writers
+        store those again. Larger chunks are judged by their header
+        alone; verifying them would cost a download per reuse (a reader that finds one corrupt
+        quarantines it, and the next put stores it again).
         """
         try:
-            head = self.blobs.get_range(key, 0, HEADER_SIZE + MAX_PARAMS)
+            head = self.blobs.get_range(chunk_key(digest), 0, HEAD_READ)
             envelope = parse_envelope(head, self.max_object_size)
             codec = codec_by_id(envelope.codec_id)
         except (NotFound, FormatError):
             return False, None
-        whole = len(head) < HEADER_SIZE + MAX_PARAMS
-        if envelope.decoded_size != size or (
-            whole and envelope.codec_id == RAW_CODEC_ID and len(head) != HEADER_SIZE + size
-        ):
+        if size is not None and envelope.decoded_size != size:
             return False, None
+        if len(head) < HEAD_READ and not codec.needs_base:
+            payload = memoryview(head)[envelope.payload_offset :]
+            try:
+                decoded = codec.decode(
+                    envelope.params, payload, envelope.decoded_size, self.get_chunk
+                )
+            except FormatError:
+                return False, None
+            if digest_of(decoded) != digest:
+                return False, None
         return True, codec.base_of(envelope.params)
 
     def stored_size(self, digest: Digest) -> int:

@@ -75,7 +75,8 @@ class TransferReport:
     manifests_skipped: int = 0
     chunks_rewritten: int = 0
     """Chunks the destination held encoded against a base the copied manifests do not record,
-    rewritten standalone so GC (which reads manifests only) can never sweep what they need."""
+    rewritten standalone so GC (which reads manifests only) can never sweep what they need; and
+    small chunks it held damaged, replaced by the source's verified bytes."""
     wire_bytes: int = 0
     """Stored (encoded) bytes written to the destination, manifests included."""
     lookup: str = "has"
@@ -289,7 +290,8 @@ def _reconcile_chains(
     A chunk the destination stored itself (skipped here, or written by a racing writer first)
     may be a delta against a base only the destination's own manifests keep alive; once those
     are gone, GC would sweep that base from under the copied checkpoint. One header read per
-    such chunk finds them; a standalone chunk needs no base.
+    such chunk finds them; a standalone chunk needs no base. The same read returns a small chunk
+    whole, and one whose bytes do not verify is rewritten too, so a push heals it.
     """
     allowed: dict[Digest, set[Digest]] = {}
     for manifest in manifests.values():
@@ -299,12 +301,11 @@ def _reconcile_chains(
                 allowed.setdefault(digest, set()).update(bases)
 
     def check(digest: Digest) -> bool:
-        try:
-            base = dst.objects.chunk_base(digest)
-            if base is None or base in allowed.get(digest, set()):
-                return False
-        except (NotFound, IntegrityError):
-            pass  # swept or damaged since it was found: store a good copy
+        # Gone (swept since it was found) or damaged (its header, or a small chunk's bytes,
+        # which this same read returns whole): store a good copy.
+        sound, base = dst.objects.stored_base(digest)
+        if sound and (base is None or base in allowed.get(digest, set())):
+            return False
         data = src.objects.get_chunk(digest)  # verified
         dst.objects.put_chunk(data, codec_by_name("zstd"), expected=digest, replace=True)
         return True

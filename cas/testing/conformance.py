@@ -496,6 +496,17 @@ class BlobStoreConformance(BlobStoreReadConformance):
         assert objects.put_chunk(data, codec_by_name("zstd")).new
         assert bytes(objects.get_chunk(digest)) == data
 
+    def test_a_small_corrupt_chunk_no_reader_has_seen_is_rewritten_by_the_next_put(
+        self, store: BlobStore
+    ) -> None:
+        objects = ObjectStore(store)
+        data = _blob(3000, 8)
+        digest = objects.put_chunk(data, codec_by_name("raw")).digest
+        _rot(store, chunk_key(digest))
+        assert objects.put_chunk(data, codec_by_name("raw")).new  # not reused as it was
+        assert bytes(objects.get_chunk(digest)) == data
+        assert objects.quarantined() == []
+
 
 def _rot(store: BlobStore, key: str) -> bytes:
     """Flip one byte of the blob's last byte in place, as bit rot would; the bytes now stored."""

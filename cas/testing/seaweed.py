@@ -277,6 +277,12 @@ class SeaweedServer:
         self._process = None
         self.stop_seconds.append(time.monotonic() - began)
 
+    def kill(self) -> None:
+        """SIGKILL the server now, as a crash would (no graceful stop); ``start()`` brings the
+        same store back on the same ports."""
+        self._kill()
+        self._process = None
+
     def _kill(self) -> None:
         process = self._process
         if process is not None and process.poll() is None:
