@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import cas
+import cas.refs.records as records_mod
 import cas.refs.store as refs_mod
 from cas.blobstore import Version
 from cas.cli import cli
@@ -244,13 +245,13 @@ def test_an_unchanged_record_is_not_decoded_again_and_a_change_is_seen(
     digests = targets(repo, 3)
     mine, other = repo.refs_store, RefStore(repo.blobs)
     decoded: list[str] = []
-    real_decode = decode_ref  # the store module calls it by this name; patched there below
+    real_decode = decode_ref  # records.decode_stored calls it by this name; patched there below
 
     def counting_decode(name: RefName, data: bytes, version: Version | None) -> RefRecord:
         decoded.append(name)
         return real_decode(name, data, version)
 
-    monkeypatch.setattr(refs_mod, "decode_ref", counting_decode)
+    monkeypatch.setattr(records_mod, "decode_ref", counting_decode)
     mine.set("runs/r/latest", digests[0], expected=None)
     for i in (1, 2):
         mine.set("runs/r/latest", digests[i], expected=digests[i - 1])

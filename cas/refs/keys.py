@@ -14,6 +14,7 @@ from __future__ import annotations
 from urllib.parse import quote, unquote
 
 from cas.digest import digest_of
+from cas.errors import CASError
 from cas.names import RefName, parse_ref_name
 
 REFS_PREFIX = "refs/"
@@ -67,3 +68,11 @@ def is_hashed_key(key: str) -> bool:
 def name_in_key(key: str) -> RefName:
     """The ref name a plain key spells; InvalidName when it spells none (hashed keys included)."""
     return parse_ref_name(unquote(key[len(REFS_PREFIX) :]))
+
+
+def plain_name_in_key(key: str) -> RefName | None:
+    """The ref name a plain (not hashed) key spells, or None if it spells none."""
+    try:
+        return name_in_key(key)
+    except CASError:
+        return None

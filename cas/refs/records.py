@@ -14,9 +14,10 @@ import msgpack
 
 from cas.blobstore.base import Version
 from cas.digest import Digest, parse_digest
-from cas.errors import FormatError, NotFound
-from cas.names import RefName
+from cas.errors import CASError, FormatError, NotFound
+from cas.names import RefName, parse_ref_name
 from cas.refs import segments
+from cas.refs.keys import is_hashed_key, name_in_key, ref_key
 
 REF_FORMAT = "cas-ref"
 REF_VERSION = 1
@@ -210,3 +211,21 @@ def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise FormatError(f"bad sealed segment size {value!r}")
     return value
+
+
+def decode_stored(key: str, data: bytes, version: Version | None) -> RefRecord:
+    """The record stored under ``key``, whose name the key spells or (hashed keys) holds."""
+    if not is_hashed_key(key):
+        return decode_ref(name_in_key(key), data, version)
+    if len(data) > MAX_REF_BLOB:
+        raise FormatError(f"ref blob {key!r} is larger than {MAX_REF_BLOB} bytes")
+    try:
+        doc: Any = msgpack.unpackb(data, raw=False)
+        name = parse_ref_name(doc["name"])
+    except CASError:
+        raise
+    except Exception as e:
+        raise FormatError(f"ref blob {key!r} is corrupt: {e}") from e
+    if ref_key(name) != key:
+        raise FormatError(f"ref blob {key!r} holds the record of another ref, {name!r}")
+    return decode_ref(name, data, version)

@@ -24,9 +24,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
-
-import msgpack
 
 from cas.blobstore.base import BlobStore, Version
 from cas.codecs import codec_by_name
@@ -41,18 +38,18 @@ from cas.refs.keys import (
     is_hashed_key,
     legacy_key,
     listing_prefix,
-    name_in_key,
+    plain_name_in_key,
     ref_key,
 )
 from cas.refs.leases import LeaseManager
 from cas.refs.records import (
-    MAX_REF_BLOB,
     FencedRef,
     FencedWriter,
     RefEvent,
     RefRecord,
     SealedHistory,
     decode_ref,
+    decode_stored,
     encode_fence,
     encode_ref,
     pack_events,
@@ -108,24 +105,6 @@ class ScannedRef:
     def label(self) -> str:
         """The ref's name, or its blob key when the name cannot be read, for messages."""
         return self.name or self.key
-
-
-def _decode_at(key: str, data: bytes, version: Version | None) -> RefRecord:
-    """The record stored under ``key``, whose name the key spells or (hashed keys) holds."""
-    if not is_hashed_key(key):
-        return decode_ref(name_in_key(key), data, version)
-    if len(data) > MAX_REF_BLOB:
-        raise FormatError(f"ref blob {key!r} is larger than {MAX_REF_BLOB} bytes")
-    try:
-        doc: Any = msgpack.unpackb(data, raw=False)
-        name = parse_ref_name(doc["name"])
-    except CASError:
-        raise
-    except Exception as e:
-        raise FormatError(f"ref blob {key!r} is corrupt: {e}") from e
-    if ref_key(name) != key:
-        raise FormatError(f"ref blob {key!r} holds the record of another ref, {name!r}")
-    return decode_ref(name, data, version)
 
 
 def _ended_since(
@@ -199,7 +178,7 @@ class RefStore:
         known = self._decoded.get(ref)
         if known is not None and known.version == version and known.legacy_key is None:
             return known
-        record = _decode_at(key, data, version)
+        record = decode_stored(key, data, version)
         if record.name != ref:
             raise FormatError(f"ref blob {key!r} holds the record of another ref, {record.name!r}")
         return self._remember(record)
@@ -243,7 +222,7 @@ class RefStore:
                 scanned = self._scan_key(key)
                 name = scanned.record.name if scanned and scanned.record else None
             else:
-                name = _plain_name(key)
+                name = plain_name_in_key(key)
             if name is not None and ref_matches(name, selector):
                 found.add(name)
         yield from sorted(found)
@@ -292,10 +271,10 @@ class RefStore:
         return sorted(chosen.values(), key=lambda r: r.label)
 
     def _scan_key(self, key: str) -> ScannedRef | None:
-        name = None if is_hashed_key(key) else _plain_name(key)
+        name = None if is_hashed_key(key) else plain_name_in_key(key)
         try:
             data, version = self.blobs.get_versioned(key)
-            record = _decode_at(key, data, version)
+            record = decode_stored(key, data, version)
         except NotFound:
             return None
         except CASError as e:
@@ -602,13 +581,6 @@ def pointing(ref: RefName, target: Digest, expected: Digest | object | None = ..
         return target
 
     return point
-
-
-def _plain_name(key: str) -> RefName | None:
-    try:
-        return name_in_key(key)
-    except CASError:
-        return None
 
 
 def _short(target: object) -> str:
