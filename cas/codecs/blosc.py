@@ -116,13 +116,20 @@ def blosc_compress(data: Bytes, typesize: int, level: int, compressor: str, filt
     if len(data) > MAX_CHUNK:
         raise FormatError(f"a chunk of {len(data)} bytes is too large for a blosc2 chunk")
     lib = _lib()
+    typesize = check_elem_size(typesize)
+    # C-Blosc2 restores the bytes after a block's last whole element wrongly when the block size
+    # is not a whole number of elements (a chunk of 4,003 bytes shuffled by 4 came back with a
+    # bad tail), so blocks hold whole elements and only the last one has the leftover bytes.
+    block = min(len(data), BLOCK)
+    if len(data) >= typesize:
+        block = block // typesize * typesize
     out: bytes = lib.compress2(
         data,
-        typesize=check_elem_size(typesize),
+        typesize=typesize,
         clevel=min(max(level, 1), 9),
         codec=lib.Codec.ZSTD if compressor == "zstd" else lib.Codec.LZ4,
         filters=[lib.Filter.SHUFFLE if filt == "shuffle" else lib.Filter.BITSHUFFLE],
-        blocksize=min(len(data), BLOCK),
+        blocksize=block,
         nthreads=THREADS,
     )
     return out
