@@ -378,6 +378,9 @@ class ObjectStore:
             # An encoded chunk smaller than its decoded bytes was read whole: decode that copy
             # rather than reading the file again.
             blob = gather([header, *outs], got)
+            if len(outs) == 1 and decoded_size == size:
+                self._verified(digest, blob, outs[0])  # its bytes are copied aside: decode in
+                return True
             decoded = memoryview(self._verified(digest, blob)).cast("B")
             scatter(decoded, outs, digest)
             return True
