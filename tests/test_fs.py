@@ -57,9 +57,11 @@ class ChunkReads:
             self.digests[digest] += 1
             return get_chunk(digest)
 
-        def counted_read_parts(digest: Digest, outs: Sequence[memoryview]) -> None:
+        def counted_read_parts(
+            digest: Digest, outs: Sequence[memoryview], *, encoded: bool = False
+        ) -> None:
             self.digests[digest] += 1
-            read_parts(digest, outs)
+            read_parts(digest, outs, encoded=encoded)
 
         # read_chunk_into goes through read_chunk_parts, so every chunk read is counted once.
         monkeypatch.setattr(objects, "get_chunk", counted_get)

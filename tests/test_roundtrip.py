@@ -135,9 +135,9 @@ def test_keys_selection_reads_only_needed_chunks(tmp_path: Path) -> None:
     reads: list[Digest] = []
     original = repo.objects.read_chunk_into
 
-    def counting(digest: Digest, out: memoryview) -> None:
+    def counting(digest: Digest, out: memoryview, *, encoded: bool = False) -> None:
         reads.append(digest)
-        original(digest, out)
+        original(digest, out, encoded=encoded)
 
     repo.objects.read_chunk_into = counting  # type: ignore[method-assign]
     back = repo.load("t/sel", keys="model.*")

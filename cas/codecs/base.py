@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cas.digest import Digest
+from cas.errors import FormatError
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,33 @@ class Codec(ABC):
     ) -> bytes | memoryview:
         """Return exactly ``decoded_size`` bytes or raise ``FormatError``; never allocate more."""
 
+    def decode_into(
+        self, params: bytes, payload: memoryview, out: memoryview, fetch_base: BaseFetcher
+    ) -> None:
+        """Write the decoded bytes into ``out``, which holds exactly the decoded size.
+
+        Codecs that can decompress straight into ``out`` override this; the default decodes
+        into a new buffer and copies it over.
+        """
+        out[:] = _exact(self.decode(params, payload, len(out), fetch_base), len(out))
+
+    def apply_into(self, params: bytes, payload: memoryview, out: memoryview) -> None:
+        """Delta codecs: ``out`` holds the decoded base these parameters name (the caller has
+        checked which); turn it into this chunk's decoded bytes in place.
+
+        Delta codecs that can combine in place override this; the default copies the base aside
+        and decodes against the copy.
+        """
+        base = bytes(out)
+        self.decode_into(params, payload, out, lambda digest: base)
+
     def base_of(self, params: bytes) -> Digest | None:
         """The base chunk this encoding depends on (delta codecs), for GC and verification."""
         return None
+
+
+def _exact(decoded: bytes | memoryview, size: int) -> memoryview:
+    view = memoryview(decoded).cast("B")
+    if len(view) != size:
+        raise FormatError(f"decoded {len(view)} bytes, the header says {size}")
+    return view

@@ -116,13 +116,20 @@ def blosc_compress(data: Bytes, typesize: int, level: int, compressor: str, filt
     if len(data) > MAX_CHUNK:
         raise FormatError(f"a chunk of {len(data)} bytes is too large for a blosc2 chunk")
     lib = _lib()
+    typesize = check_elem_size(typesize)
+    # C-Blosc2 restores the bytes after a block's last whole element wrongly when the block size
+    # is not a whole number of elements (a chunk of 4,003 bytes shuffled by 4 came back with a
+    # bad tail), so blocks hold whole elements and only the last one has the leftover bytes.
+    block = min(len(data), BLOCK)
+    if len(data) >= typesize:
+        block = block // typesize * typesize
     out: bytes = lib.compress2(
         data,
-        typesize=check_elem_size(typesize),
+        typesize=typesize,
         clevel=min(max(level, 1), 9),
         codec=lib.Codec.ZSTD if compressor == "zstd" else lib.Codec.LZ4,
         filters=[lib.Filter.SHUFFLE if filt == "shuffle" else lib.Filter.BITSHUFFLE],
-        blocksize=min(len(data), BLOCK),
+        blocksize=block,
         nthreads=THREADS,
     )
     return out
@@ -132,17 +139,23 @@ def blosc_decompress(payload: memoryview, decoded_size: int) -> Bytes:
     """The ``decoded_size`` bytes of a checked Blosc2 chunk, in a fresh writable array."""
     import numpy as np
 
-    if decoded_size == 0 and len(payload) == 0:
-        return np.empty(0, dtype=np.uint8)
-    check_chunk(payload, decoded_size)
     out = np.empty(decoded_size, dtype=np.uint8)
-    if decoded_size == 0:
-        return out
+    blosc_decompress_into(payload, out)
+    return out
+
+
+def blosc_decompress_into(payload: memoryview, out: Bytes) -> None:
+    """Decompress a checked Blosc2 chunk into ``out``, which must be exactly its decoded size
+    (the header is checked against ``len(out)`` first, so a lying header cannot overrun it)."""
+    if len(out) == 0 and len(payload) == 0:
+        return
+    check_chunk(payload, len(out))
+    if len(out) == 0:
+        return
     try:
         _lib().decompress2(payload, dst=out, nthreads=THREADS)
     except (ValueError, RuntimeError) as e:
         raise FormatError(f"corrupt blosc2 chunk: {e}") from e
-    return out
 
 
 class BloscCodec(Codec):
@@ -165,6 +178,13 @@ class BloscCodec(Codec):
         if params:
             raise FormatError(f"{self.name} takes no parameters")
         return as_view(blosc_decompress(payload, decoded_size))
+
+    def decode_into(
+        self, params: bytes, payload: memoryview, out: memoryview, fetch_base: BaseFetcher
+    ) -> None:
+        if params:
+            raise FormatError(f"{self.name} takes no parameters")
+        blosc_decompress_into(payload, writable_bytes(out))
 
 
 class BloscDeltaCodec(Codec):
@@ -205,8 +225,33 @@ class BloscDeltaCodec(Codec):
         delta = blosc_decompress(payload, decoded_size)
         return as_view(self.combine.inverse(delta, as_bytes(base), elem_size))
 
+    def decode_into(
+        self, params: bytes, payload: memoryview, out: memoryview, fetch_base: BaseFetcher
+    ) -> None:
+        base = fetch_base(_base_digest(params))
+        if len(base) != len(out):
+            raise FormatError(f"delta base holds {len(base)} bytes, not {len(out)}")
+        out[:] = memoryview(base).cast("B")
+        self.apply_into(params, payload, out)
+
+    def apply_into(self, params: bytes, payload: memoryview, out: memoryview) -> None:
+        # The delta is decompressed beside ``out`` and folded into it: the base is never copied.
+        _base_digest(params)
+        elem_size = payload[3] if len(payload) >= CHUNK_HEADER else 1
+        self.combine.check_elem_size(elem_size)
+        delta = blosc_decompress(payload, len(out))
+        self.combine.apply(delta, writable_bytes(out), elem_size)
+
     def base_of(self, params: bytes) -> Digest | None:
         return _base_digest(params)
+
+
+def writable_bytes(out: memoryview) -> Bytes:
+    """A uint8 array over the caller's buffer ``out``, which must be writable."""
+    array = as_bytes(out)
+    if not array.flags.writeable:
+        raise ValueError("decoding into a read-only buffer")
+    return array
 
 
 def _base_digest(params: bytes) -> Digest:

@@ -102,6 +102,11 @@ class _DeltaCodec(Codec):
     def inverse(self, delta: Bytes, base: Bytes, elem_size: int) -> Bytes:
         """``data`` back from what ``forward`` stored and the same base."""
 
+    @abstractmethod
+    def apply(self, delta: Bytes, base: Bytes, elem_size: int) -> None:
+        """As ``inverse``, but writing ``data`` over ``base`` (writable; ``delta`` may be
+        overwritten too), so a reader that decoded the base into its output buffer keeps it."""
+
 
 class XorDeltaCodec(_DeltaCodec):
     """chunk XOR base, byte-grouped; works for any element size."""
@@ -120,6 +125,11 @@ class XorDeltaCodec(_DeltaCodec):
         if delta.flags.writeable:
             return np.bitwise_xor(delta, base, out=delta)
         return np.bitwise_xor(delta, base)
+
+    def apply(self, delta: Bytes, base: Bytes, elem_size: int) -> None:
+        import numpy as np
+
+        np.bitwise_xor(base, delta, out=base)
 
 
 class SubDeltaCodec(_DeltaCodec):
@@ -164,6 +174,20 @@ class SubDeltaCodec(_DeltaCodec):
         np.add(words, b, out=words)
         np.bitwise_xor(out[n:], base[n:], out=out[n:])
         return out
+
+    def apply(self, delta: Bytes, base: Bytes, elem_size: int) -> None:
+        import numpy as np
+
+        scratch = delta if delta.flags.writeable else delta.copy()
+        n = _whole(len(delta), elem_size)
+        words, b = _view(scratch, n, elem_size), _view(base, n, elem_size)
+        one = words.dtype.type(1)
+        sign = words & one
+        np.negative(sign, out=sign)
+        np.right_shift(words, one, out=words)
+        np.bitwise_xor(words, sign, out=words)
+        np.add(b, words, out=b)
+        np.bitwise_xor(base[n:], scratch[n:], out=base[n:])
 
 
 def _whole(length: int, elem_size: int) -> int:

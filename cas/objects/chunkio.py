@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -128,6 +129,8 @@ class ChunkIO:
         self,
         jobs: Sequence[tuple[Sequence[ChunkRef], memoryview]],
         progress: Progress | None = None,
+        *,
+        encoded: AbstractSet[int] = frozenset(),
     ) -> None:
         """Fill each job's ``out`` with its chunks laid end to end, verified; raise the first
         failure once every read started has settled.
@@ -136,17 +139,19 @@ class ChunkIO:
         ``2 x readers`` reads wait on the pool, and a chunk named more than once (a run of zeros,
         or a hostile manifest naming one chunk a million times) is read once, then copied to its
         other places. Beyond the buffers it fills, a read holds one entry per distinct chunk.
+        ``encoded`` are the jobs whose chunks are likely stored encoded (their tensor was written
+        with a codec): each is read whole and decoded straight into place.
         """
         first: dict[Digest, tuple[int, int, int]] = {}
         """Where each distinct chunk is read to: job, offset, size."""
         window = threading.BoundedSemaphore(2 * self.readers)
         errors: list[BaseException] = []
 
-        def get_one(ref: ChunkRef, out: memoryview) -> None:
+        def get_one(ref: ChunkRef, out: memoryview, hint: bool) -> None:
             try:
                 if not errors:
                     with self._read_slots:
-                        self.objects.read_chunk_into(ref.digest, out)
+                        self.objects.read_chunk_into(ref.digest, out, encoded=hint)
                     if progress is not None:
                         progress(ref.size)
             except BaseException as e:
@@ -169,7 +174,8 @@ class ChunkIO:
                         if errors:
                             window.release()
                             break
-                        self.pool.submit(get_one, ref, out[offset : offset + ref.size])
+                        part = out[offset : offset + ref.size]
+                        self.pool.submit(get_one, ref, part, index in encoded)
                     offset += ref.size
         finally:
             for _ in range(2 * self.readers):  # every read started has released its slot

@@ -20,6 +20,8 @@ from cas.digest import Digest, digest_of, digest_of_parts
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
 from cas.objects import inventory
 from cas.objects.buffers import gather, scatter
+from cas.objects.decoding import MAX_DELTA_DEPTH as MAX_DELTA_DEPTH
+from cas.objects.decoding import ChainDecoder, OtherSize
 from cas.objects.envelope import (
     HEADER,
     HEADER_SIZE,
@@ -27,8 +29,6 @@ from cas.objects.envelope import (
     OBJECT_MAGIC,
     OBJECT_VERSION,
     RAW_CODEC_ID,
-    Envelope,
-    decode_level,
     encode_header,
     parse_envelope,
 )
@@ -38,8 +38,6 @@ from cas.objects.quarantine import Quarantine, QuarantineRecord
 from cas.objects.sweep import Sweeper, sweeper_for
 
 DEFAULT_HINTS = EncodeHints()
-MAX_DELTA_DEPTH = 64
-"""A base chain deeper than this is treated as corrupt (a cycle or a hostile store)."""
 CREATE_ATTEMPTS = 3
 """Create-only puts of a chunk that keeps vanishing right after losing, before it is overwritten."""
 HEAD_READ = 16 << 10
@@ -105,6 +103,7 @@ class ObjectStore:
         self.blobs = blobs
         self.max_object_size = max_object_size
         self.quarantine = Quarantine(blobs)
+        self.chains = ChainDecoder(blobs, max_object_size)
         self._examining = threading.local()
 
     def has_chunk(self, digest: Digest) -> bool:
@@ -252,11 +251,14 @@ class ObjectStore:
         """
         return self._get_chunk(digest, "read")
 
-    def _get_chunk(self, digest: Digest, operation: str) -> bytes | memoryview:
+    def _get_chunk(
+        self, digest: Digest, operation: str, out: memoryview | None = None
+    ) -> bytes | memoryview:
+        """``get_chunk``, or with ``out`` its bytes decoded straight into ``out`` (returned)."""
         key = chunk_key(digest)
         try:
             try:
-                return self._verified(digest, self.blobs.get(key))
+                return self._verified(digest, self.blobs.get(key), out)
             except IntegrityError:
                 # A cached copy that fails (damaged on the local disk, or stored against a base
                 # the remote has since dropped) is read again from the store itself, chain
@@ -264,7 +266,7 @@ class ObjectStore:
                 if not self.blobs.drop_cached(key):
                     raise
                 self._drop_cached_chain(digest)
-                return self._verified(digest, self.blobs.get(key))
+                return self._verified(digest, self.blobs.get(key), out)
         except NotFound as e:
             raise self._missing(ObjectKind.CHUNK, digest, e) from e
         except IntegrityError as e:
@@ -325,26 +327,39 @@ class ObjectStore:
                 return
             self.blobs.drop_cached(chunk_key(current))
 
-    def _verified(self, digest: Digest, blob: bytes | bytearray) -> bytes | memoryview:
-        decoded = self._decode(digest, blob)
+    def _verified(
+        self, digest: Digest, blob: bytes | bytearray, out: memoryview | None = None
+    ) -> bytes | memoryview:
+        """The decoded ``blob``, in ``out`` when given, checked against ``digest``."""
+        if out is None:
+            decoded = self.chains.decode(digest, blob)
+        else:
+            self.chains.decode_into(digest, blob, out)
+            decoded = out
         if digest_of(decoded) != digest:
             raise IntegrityError(
                 f"chunk {digest} is corrupt: its bytes (or a delta base's) hash to something else"
             )
         return decoded
 
-    def read_chunk_into(self, digest: Digest, out: memoryview) -> None:
+    def read_chunk_into(self, digest: Digest, out: memoryview, *, encoded: bool = False) -> None:
         """Fill ``out`` (exactly the chunk's size) with the verified chunk bytes."""
-        self.read_chunk_parts(digest, [out])
+        self.read_chunk_parts(digest, [out], encoded=encoded)
 
-    def read_chunk_parts(self, digest: Digest, outs: Sequence[memoryview]) -> None:
+    def read_chunk_parts(
+        self, digest: Digest, outs: Sequence[memoryview], *, encoded: bool = False
+    ) -> None:
         """Scatter the verified chunk bytes over ``outs`` in order (their sizes sum to the chunk's).
 
         On stores that read in place (local files) a raw chunk goes straight from its file into
         the buffers in one read and is hashed there, with no intermediate copy: a reader whose
         range ends inside a chunk gets that head in its own buffer and the rest in a side buffer.
+        An encoded chunk read into one buffer is decompressed straight into it, its delta base
+        too, and hashed there. ``encoded`` says the chunk is likely stored encoded (its tensor
+        was written with a codec): it is then read whole at once rather than in place first.
         """
-        if self.blobs.reads_in_place:
+        whole = len(outs) == 1
+        if self.blobs.reads_in_place and not (encoded and whole):
             try:
                 if self._read_in_place(digest, outs):
                     return
@@ -352,6 +367,12 @@ class ObjectStore:
                 raise self._missing(ObjectKind.CHUNK, digest, e) from e
             except IntegrityError as e:
                 raise self._found_corrupt(ObjectKind.CHUNK, digest, e, "read") from e
+        if whole:
+            try:
+                self._get_chunk(digest, "read", outs[0])
+                return
+            except OtherSize:
+                pass  # the manifest's size is wrong, not the chunk: said below, not quarantined
         scatter(memoryview(self.get_chunk(digest)).cast("B"), outs, digest)
 
     def _read_in_place(self, digest: Digest, outs: Sequence[memoryview]) -> bool:
@@ -373,58 +394,13 @@ class ObjectStore:
             # An encoded chunk smaller than its decoded bytes was read whole: decode that copy
             # rather than reading the file again.
             blob = gather([header, *outs], got)
+            if len(outs) == 1 and decoded_size == size:
+                self._verified(digest, blob, outs[0])  # its bytes are copied aside: decode in
+                return True
             decoded = memoryview(self._verified(digest, blob)).cast("B")
             scatter(decoded, outs, digest)
             return True
         return False
-
-    def _decode(self, digest: Digest, blob: bytes | bytearray) -> bytes | memoryview:
-        """The decoded bytes of a stored object, unverified; a delta is rebuilt from the bottom of
-        its base chain up.
-
-        The chain is walked by headers first (one small read per hop), refusing loops, chains
-        deeper than MAX_DELTA_DEPTH and bases of another size, so nothing is decompressed for a
-        chain that cannot be rebuilt. Each level is then decoded on the one below, so a read
-        holds one base, one payload and one result at a time, however deep the chain.
-        """
-        try:
-            envelope = parse_envelope(blob, self.max_object_size)
-            chain = self._base_chain(digest, envelope)
-            below: tuple[Digest, bytes | memoryview] | None = None
-            for base in reversed(chain):
-                try:
-                    base_blob = self.blobs.get(chunk_key(base))
-                except NotFound as e:
-                    raise IntegrityError(f"delta base {base} is missing from the store") from e
-                base_envelope = parse_envelope(base_blob, self.max_object_size)
-                below = (base, decode_level(base_envelope, base_blob, below))
-                del base_blob  # only the decoded base is needed from here up
-            return decode_level(envelope, blob, below)
-        except FormatError as e:
-            raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
-
-    def _base_chain(self, digest: Digest, envelope: Envelope) -> list[Digest]:
-        """The bases a stored object needs, nearest first, from their headers alone."""
-        chain: list[Digest] = []
-        base = codec_by_id(envelope.codec_id).base_of(envelope.params)
-        while base is not None:
-            if base == digest or base in chain or len(chain) >= MAX_DELTA_DEPTH:
-                raise IntegrityError(
-                    f"chunk {digest}: delta chain loops or is deeper than {MAX_DELTA_DEPTH}"
-                )
-            chain.append(base)
-            try:
-                head = self.blobs.get_range(chunk_key(base), 0, HEADER_SIZE + MAX_PARAMS)
-            except NotFound as e:
-                raise IntegrityError(f"delta base {base} is missing from the store") from e
-            found = parse_envelope(head, self.max_object_size)
-            if found.decoded_size != envelope.decoded_size:
-                raise FormatError(
-                    f"delta base {base} holds {found.decoded_size} bytes, "
-                    f"the chunk {envelope.decoded_size}"
-                )
-            base = codec_by_id(found.codec_id).base_of(found.params)
-        return chain
 
     def chunk_base(self, digest: Digest) -> Digest | None:
         """The base chunk a delta-encoded chunk depends on, read from its header only."""
@@ -454,7 +430,7 @@ class ObjectStore:
             missing = NotFound(f"manifest {digest} is missing from the store")
             raise self._missing(ObjectKind.MANIFEST, digest, missing) from e
         try:
-            decoded = bytes(self._decode(digest, blob))
+            decoded = bytes(self.chains.decode(digest, blob))
             if digest_of(decoded) != digest:
                 raise IntegrityError(
                     f"manifest {digest} is corrupt: its bytes hash to something else"

@@ -169,6 +169,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     ) -> dict[int, Any]:
         buffers: dict[int, torch.Tensor] = {}
         jobs: list[tuple[Sequence[ChunkRef], memoryview]] = []
+        encoded: set[int] = set()
         indices = list(indices)
         self.read_limits.check(manifest.tensors[i].nbytes for i in indices)
         for index in indices:
@@ -183,8 +184,10 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             buffer = byte_buffer(entry.nbytes)
             buffers[index] = buffer
             if entry.nbytes:
+                if entry.encoding:
+                    encoded.add(len(jobs))
                 jobs.append((entry.chunks, writable_view(buffer)))
-        self.io.read_all(jobs, progress)
+        self.io.read_all(jobs, progress, encoded=encoded)
         out: dict[int, Any] = {}
         for index, buffer in buffers.items():
             entry = manifest.tensors[index]
