@@ -111,9 +111,11 @@ def random_reads(repo: cas.Repository, url: str, size: int, count: int) -> dict[
         calls.append(digest)
         return get_chunk(digest)
 
-    def counted_read_parts(digest: Digest, outs: Sequence[memoryview]) -> None:
+    def counted_read_parts(
+        digest: Digest, outs: Sequence[memoryview], *, encoded: bool = False
+    ) -> None:
         calls.append(digest)
-        read_parts(digest, outs)
+        read_parts(digest, outs, encoded=encoded)
 
     objects.get_chunk = counted_get  # type: ignore[method-assign]
     objects.read_chunk_parts = counted_read_parts  # type: ignore[method-assign]
