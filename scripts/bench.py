@@ -81,11 +81,15 @@ def touch(loaded: dict[str, Any]) -> None:
 def timed(
     fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None
 ) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs (``setup`` runs untimed before each)."""
+    """Median wall time of ``fn`` over ``repeat`` runs (``setup`` runs untimed before each).
+
+    Every run starts with no dirty pages left by the one before (``os.sync`` untimed), so a
+    durable writer never pays for flushing another writer's files."""
     times = []
     for _ in range(repeat):
         if setup is not None:
             setup()
+        os.sync()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
