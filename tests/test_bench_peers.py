@@ -1,5 +1,6 @@
-"""The compression benchmark's peers: each stores the checkpoints and loads the newest back, or
-the benchmark says why it left that peer out; none of them can fail the run by being absent."""
+"""The benchmarks' peers. Compression: each peer stores the checkpoints and loads the newest back,
+or the benchmark says why it left that peer out; none can fail the run by being absent. Manager:
+DCP's async_save and torch.save really checkpoint the loop the manager is measured on."""
 
 from __future__ import annotations
 
@@ -13,16 +14,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compression_peers.py"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-@pytest.fixture(scope="module")
-def peers() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compression_peers", SCRIPT)
+def script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def peers() -> ModuleType:
+    return script("compression_peers")
 
 
 def training_run(root: Path) -> list[Path]:
@@ -94,3 +99,23 @@ def test_the_load_check_compares_bits_so_a_wrong_load_cannot_pass(peers: ModuleT
     assert peers.same_state({"w": nan}, {"w": nan.clone()})
     assert not peers.same_state({"w": signed}, {"w": signed.to(torch.float64)})
     assert not peers.same_state({"step": 1}, {"step": 2})
+
+
+def test_the_manager_bench_checkpoints_the_same_loop_with_cas_dcp_and_torch_save(
+    tmp_path: Path,
+) -> None:
+    from torch.distributed.checkpoint import state_dict_loader
+
+    bench = script("bench_manager")
+    rows = bench.peer_windows(width=32, batch=4, every=2, root=tmp_path, rounds=2)
+    for saver in ("cas", "dcp_async_save", "torch_save_sync"):
+        assert set(rows[saver]) >= {"overhead_pct", "overhead_pct_ci95", "overhead_ms"}, saver
+    assert isinstance(rows["cas_at_or_below_peers"], bool)
+    # One warm-up window and two rounds: three saves each, and the last of them loads back.
+    saves = tmp_path / "peers-4"
+    assert sorted(p.name for p in (saves / "peers-torch").iterdir())[-1] == "step_9.pt"
+    last_dcp = saves / "peers-dcp" / "step_8"
+    untrained = bench.build(32)[0].state_dict()
+    state = {"model": bench.build(32)[0].state_dict()}
+    state_dict_loader.load(state, checkpoint_id=last_dcp, no_dist=True)
+    assert not torch.equal(state["model"]["0.weight"], untrained["0.weight"])
