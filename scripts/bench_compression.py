@@ -508,46 +508,7 @@ def print_table(results: dict[str, Any]) -> None:
         for scheme, s in c["schemes"].items():
             print(f"{name:<15} {scheme:<9} {s['ratio']:10.3f} {s['ingest_s']:9.2f} "
                   f"{s['newest_load_s']:13.4f} {s['newest_load_vs_raw']:7.2f}")  # fmt: skip
-    print_side_by_side(results)
-
-
-def side_by_side(row: dict[str, Any]) -> list[tuple[str, dict[str, float] | str]]:
-    """One workload's systems: stored/raw, ingest seconds and newest-load seconds, or a note."""
-    c = row["cas"]
-    keyframe = c["schemes"]["keyframe"]
-    systems: list[tuple[str, dict[str, float] | str]] = [
-        ("cas raw", {"ratio": c["raw_store_ratio"], "ingest_s": c["raw_ingest_s"],
-                     "newest_load_s": c["raw_newest_load_s"]}),
-        ("cas auto", {"ratio": keyframe["ratio"], "ingest_s": keyframe["ingest_s"],
-                      "newest_load_s": keyframe["newest_load_s"]}),
-    ]  # fmt: skip
-    labels = {"files": "torch.load", "zipnn": "ZipNN", "borg": "borg", "restic": "restic"}
-    for peer in peers.PEERS:
-        value = row.get(peer, "not measured")
-        if isinstance(value, dict):
-            value = {"ratio": value["ratio"], "ingest_s": value["seconds"],
-                     "newest_load_s": value["newest_load_s"]}  # fmt: skip
-        systems.append((labels[peer], value))
-    return systems
-
-
-def print_side_by_side(results: dict[str, Any]) -> None:
-    """Every system on the same files: bytes stored, ingest time, load of the newest."""
-    print(f"\n{'workload':<15} {'system':<11} {'stored/raw':>10} {'ingest s':>9} "
-          f"{'newest load s':>13} {'vs cas raw':>10}")  # fmt: skip
-    for name, row in results["workloads"].items():
-        systems = side_by_side(row)
-        raw_load = row["cas"]["raw_newest_load_s"]
-        for system, value in systems:
-            if isinstance(value, str):
-                print(f"{name:<15} {system:<11} {value}")
-                continue
-            print(f"{name:<15} {system:<11} {value['ratio']:10.3f} {value['ingest_s']:9.2f} "
-                  f"{value['newest_load_s']:13.4f} {raw_load / value['newest_load_s']:10.2f}")  # fmt: skip
-    print("(torch.load: the files as they are, copied; its newest load is torch.load, or")
-    print(" safetensors.torch.load of the file's bytes. borg/restic: extract, then the same.")
-    print(" ZipNN: decompress, then the same. vs cas raw: the newest load's speed as a fraction")
-    print(" of cas raw's.)")
+    peers.print_side_by_side(results)
 
 
 def _cell(row: dict[str, Any], tool: str, key: str, fmt: str) -> str:
