@@ -1,4 +1,4 @@
-"""Compression benchmark on real training state: cas (codec auto) against borg and restic.
+"""Compression benchmark on real training state: cas (codec auto) against borg, restic and ZipNN.
 
 Workloads (all built from real training, never random numbers):
 
@@ -19,10 +19,13 @@ checkpoint against the previous one, fine-tunes against the base model; copies w
 twice, once per delta scheme (``anchor`` ``keyframe``, the default, and ``parent``: chains of up
 to four deltas), and into
 borg 1.2 (``--compression zstd,3``) and restic (``--compression auto``), one archive per
-checkpoint. Stored bytes are the repository's size on disk over the checkpoint files' bytes.
+checkpoint, into ZipNN per file (no dedup) and, as plain files, into a directory that
+``torch.load`` reads (``scripts/compression_peers.py``). Stored bytes are the repository's size
+on disk over the checkpoint files' bytes.
 Load speed compares ``Repository.load`` of each checkpoint from that store against a store
 holding the same files raw, in the same run; the newest checkpoint (what a resume loads) is
-timed on its own, best of five.
+timed on its own, best of five, and the peers' load of it (extract or decompress, then
+``torch.load``) beside it. A peer that is not installed is left out with a note.
 
     python scripts/bench_compression.py [--quick] [--out bench-results/compression.json]
 
@@ -37,7 +40,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -53,6 +55,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import compression_peers as peers  # noqa: E402
 
 import cas  # noqa: E402
 from cas.repo.config import StoreConfig  # noqa: E402
@@ -400,34 +405,6 @@ def _timed(fn: Callable[..., object], *args: object) -> float:
     return time.perf_counter() - started
 
 
-def measure_tool(tool: str, workload: Workload, work: Path) -> dict[str, Any] | None:
-    """Archive each checkpoint directory with borg or restic; None when not installed."""
-    if shutil.which(tool) is None:
-        return None
-    repo = work / f"{tool}-{workload.name}"
-    env = {**os.environ, "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes", "RESTIC_PASSWORD": "bench",
-           "RESTIC_REPOSITORY": str(repo), "RESTIC_CACHE_DIR": str(work / "restic-cache")}  # fmt: skip
-    if tool == "borg":
-        init = ["borg", "init", "--encryption", "none", str(repo)]
-    else:
-        init = ["restic", "init", "--repository-version", "2"]
-    subprocess.run(init, env=env, check=True, capture_output=True)
-    version = subprocess.run([tool, "--version" if tool == "borg" else "version"], env=env,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-    dirs = [(ref, d) for ref, d, _ in workload.checkpoints] + [
-        (ref, d) for ref, _, d in workload.copies
-    ]
-    started = time.perf_counter()
-    for i, (_, directory) in enumerate(dirs):
-        if tool == "borg":
-            cmd = ["borg", "create", "--compression", "zstd,3", f"{repo}::c{i}", "."]
-        else:
-            cmd = ["restic", "backup", "--compression", "auto", "--quiet", "."]
-        subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=directory)
-    elapsed = time.perf_counter() - started
-    return {"version": version, "seconds": elapsed, "stored_bytes": dir_bytes(repo)}
-
-
 def newest_load_seconds(repo: cas.Repository, ref: str, repeat: int = 5) -> float:
     """Best wall time of ``Repository.load`` of one ref (page cache warm)."""
     return min(_timed(repo.load, ref) for _ in range(repeat))
@@ -566,15 +543,17 @@ def bench_workload(workload: Workload, work: Path, scale: Scale) -> dict[str, An
     row["cas"]["ceiling"] = load_ceiling(plain["repo"], auto["repo"], newest)
     for repo in (plain["repo"], *(m["repo"] for m in schemes.values())):
         repo.close()
-    for tool in ("borg", "restic"):
-        result = measure_tool(tool, workload, work) if scale.compare_tools else None
-        if result is None:
-            row[tool] = "not installed" if scale.compare_tools else "skipped (--quick)"
-        else:
-            result["ratio"] = result["stored_bytes"] / raw_bytes
-            result["ingest_mb_s"] = raw_bytes / result["seconds"] / 1e6
-            row[tool] = result
+    row.update(peer_rows(workload, work, scale))
     return row
+
+
+def peer_rows(workload: Workload, work: Path, scale: Scale) -> dict[str, dict[str, Any] | str]:
+    """The same directories in borg, restic, ZipNN and plain files (notes for absent peers)."""
+    dirs = peers.checkpoint_dirs(
+        [d for _, d, _ in workload.checkpoints], [d for _, _, d in workload.copies]
+    )
+    newest = workload.checkpoints[-1][1]
+    return peers.peer_rows(dirs, newest, work, workload.name, archivers=scale.compare_tools)
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -603,10 +582,7 @@ def print_table(results: dict[str, Any]) -> None:
         for scheme, s in c["schemes"].items():
             print(f"{name:<15} {scheme:<9} {s['ratio']:10.3f} {s['ingest_s']:9.2f} "
                   f"{s['newest_load_s']:13.4f} {s['newest_load_vs_raw']:7.2f}")  # fmt: skip
-    for name, row in results["workloads"].items():
-        for t in ("borg", "restic"):
-            if not isinstance(row[t], dict):
-                print(f"  {name}: {t} {row[t]}")
+    peers.print_side_by_side(results)
 
 
 def _cell(row: dict[str, Any], tool: str, key: str, fmt: str) -> str:
