@@ -456,15 +456,16 @@ class TensorWriter:
     def _put(self, target: TensorTarget, planned: Future[_Plan], index: int) -> ChunkResult:
         plan = planned.result()
         encoded = plan.encoded[1] if plan.encoded and plan.encoded[0] == index else None
-        # One private reading of the chunk serves every put below and the delta cache, so a
-        # source that changes meanwhile still stores bytes that match the name they were given.
+        # With deltas, one private reading of the chunk serves every put below and the delta
+        # cache, so a source that changes meanwhile still stores bytes that match their name;
+        # without, the door reads privately whatever it writes.
         chunk: bytes | memoryview
         if encoded is not None:
             chunk = encoded.source
         elif self._deltas:
             chunk = bytes(target.chunk(index))
         else:
-            chunk = private_view(target.chunk(index))
+            chunk = target.chunk(index)  # the door probes it in place or reads it privately
         codec, hints = plan.codec, EncodeHints(elem_size=plan.elem, level=self.level)
         chain = STANDALONE
         if codec.needs_base:
@@ -481,7 +482,7 @@ class TensorWriter:
                 # store it standalone under the same identity.
                 hints = EncodeHints(elem_size=plan.elem, level=self.level)
                 result = self.objects.put_chunk(
-                    chunk, plan.fallback, hints, expected=result.digest, replace=True
+                    private_view(chunk), plan.fallback, hints, expected=result.digest, replace=True
                 )
             chain = reused or STANDALONE
         elif not codec.needs_base:

@@ -25,11 +25,41 @@ def private_view(data: bytes | bytearray | memoryview) -> memoryview:
     gives two different readings.
     """
     view = memoryview(data).cast("B")
-    if isinstance(view.obj, bytes) or _is_private_copy(view.obj):
+    if is_private(view):
         return view
     if view.nbytes < PRIVATE_ALIGN_MIN:
         return memoryview(bytes(view))
     return _aligned_copy(view)
+
+
+def is_private(data: bytes | bytearray | memoryview) -> bool:
+    """Whether nothing else can change ``data``: bytes, or a copy ``private_view`` made."""
+    obj = data.obj if isinstance(data, memoryview) else data
+    return isinstance(obj, bytes) or _is_private_copy(obj)
+
+
+class ReuseOdds:
+    """Whether the next chunk put is likely one already stored, from how recent puts went.
+
+    A chunk found stored costs a hash of its bytes where they lie; one to be written is first
+    copied into private memory and hashed there. Probing in place first saves the copy when
+    most puts are reuses (a re-save, a push of a mostly present checkpoint) and costs a second
+    hash per new chunk otherwise (a first save), so puts probe while the recent share of
+    reuses is at least half. Threads racing on the estimate only blur it.
+    """
+
+    WEIGHT = 0.125
+
+    def __init__(self) -> None:
+        self.share = 0.5
+
+    def likely(self) -> bool:
+        """Whether to probe in place first."""
+        return self.share >= 0.5
+
+    def observe(self, reused: bool) -> None:
+        """Count one put's outcome."""
+        self.share += self.WEIGHT * (float(reused) - self.share)
 
 
 PRIVATE_ALIGN_MIN = 1 << 20
