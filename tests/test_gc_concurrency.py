@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import cas
 from cas.errors import LeaseExpired
 from cas.model.manifest import Manifest
@@ -147,6 +149,34 @@ def test_writer_paused_past_its_lease_cannot_commit(tmp_path: Path) -> None:
         else:
             raise AssertionError("a writer whose lease expired committed")
     assert repo.refs_store.try_get("w/ckpt_2") is None and repo.verify().ok
+
+
+def test_a_cas_url_write_paused_past_its_lease_before_its_commit_cannot_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cas.fs.writes as writes
+    from cas.fs.filesystem import CASFileSystem
+
+    base = local_repo(tmp_path, leases={"duration": 0.6, "margin": 0.05})
+    frozen = FrozenWriter(base.blobs)
+    repo = cas.Repository(frozen, base.config)
+    fs = CASFileSystem(repo=repo, skip_instance_cache=True)
+    publish = writes.put_record
+
+    def paused_then_publish(*args: Any, **kwargs: Any) -> None:
+        # The whole writer stops after its last lease check, before the ref compare-and-swap,
+        # for longer than its lease: GC takes what only that lease protected.
+        frozen.freeze()
+        time.sleep(0.8)
+        assert local_repo(tmp_path).plan_gc(NO_GRACE).execute().reaped_leases == 1
+        frozen.thaw()
+        publish(*args, **kwargs)
+
+    monkeypatch.setattr(writes, "put_record", paused_then_publish)
+    with pytest.raises(LeaseExpired), fs.open("runs/dcp/__0_0.distcp", "wb") as f:
+        f.write(random.Random(5).randbytes(20_000))
+    assert repo.refs_store.try_get("runs/dcp") is None  # nothing names the deleted chunks
+    assert repo.verify(level="full").ok
 
 
 def _gc_once(store: str) -> None:

@@ -140,13 +140,16 @@ class CASWriteFile(AbstractBufferedFile):  # type: ignore[misc]
         try:
             if self._lease is not None:
                 self._lease.check()
-            put_record(
-                self.tree,
-                self.path,
-                self._record,
-                exclusive=self.mode == "xb",
-                overwrite=self.overwrite,
-            )
+            # Under the file's lease, so the ref move is fenced like a save's: a writer paused
+            # past its lease is refused even between the check above and the compare-and-swap.
+            with self.repo.committing_under(self._lease):
+                put_record(
+                    self.tree,
+                    self.path,
+                    self._record,
+                    exclusive=self.mode == "xb",
+                    overwrite=self.overwrite,
+                )
         finally:
             self._release()
 

@@ -331,6 +331,20 @@ class LeaseManager:
             lease.release()
 
     @contextmanager
+    def using(self, lease: WriterLease | None) -> Iterator[None]:
+        """Make a caller-owned lease (``acquire``) this thread's for the block, so a commit in it
+        declares its ref in that lease and settles against GC's sweeps like a save's commit.
+        A lease this thread already holds stays in charge."""
+        if lease is None or self.current() is not None:
+            yield
+            return
+        self._local.lease = lease
+        try:
+            yield
+        finally:
+            self._local.lease = None
+
+    @contextmanager
     def hold(self, purpose: str = "write") -> Iterator[WriterLease | None]:
         """Hold a lease for the block (re-entrant: an inner ``hold`` reuses the outer lease).
 

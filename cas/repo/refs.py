@@ -188,8 +188,14 @@ class RefOperations:
     def writer_lease(self, purpose: str) -> WriterLease | None:
         """Acquire a writer lease owned by the caller, for writes that outlive one call (a file
         open for writing); None when the store disables leases. The caller refreshes, checks
-        and releases it."""
+        and releases it, and commits inside ``committing_under(lease)``."""
         return self.leases.acquire(purpose)
+
+    def committing_under(self, lease: WriterLease | None) -> AbstractContextManager[None]:
+        """Run a block's ref moves under a lease from ``writer_lease``: each declares its ref in
+        that lease first, so GC can fence a writer paused past it, and settles against GC's
+        sweeps, as a save's commit does (docs/gc.md, "Fenced commits")."""
+        return self.leases.using(lease)
 
     def writer_leases(self, now: float | None = None) -> list[LeaseStatus]:
         """Every writer lease in the store, and whether GC still honours it at ``now``."""
