@@ -217,13 +217,18 @@ def test_a_tensor_changed_during_save_is_stored_as_it_was_read(tmp_path: Path) -
     saved = weights.copy()
     base = cas.open(tmp_path / "store", config=StoreConfig(chunk_size=64 << 10, inline_max=256))
     blobs = ChangesSourceOnWrite(LocalBlobStore(tmp_path / "store"), weights.view(np.uint8))
-    repo = cas.Repository(blobs, base.config)
+    # One chunk worker, so the chunks are read and written in turn and each write's change to
+    # the array falls between two readings.
+    repo = cas.Repository(blobs, base.config, workers=1)
     repo.save({"w": weights}, "runs/a")
-    assert blobs.struck >= 1
-    loaded = array(cas.open(tmp_path / "store"), "runs/a", "w")
-    # Each chunk holds one reading of the tensor: none may fail its digest, and the first
-    # chunk was read before any write changed the array.
-    assert np.array_equal(loaded[: 1 << 14], saved[: 1 << 14])
+    assert blobs.struck == 16
+    loaded = array(cas.open(tmp_path / "store"), "runs/a", "w").view(np.uint8)
+    # Each chunk holds one reading of the tensor, the one its digest names: chunk i was read
+    # after the i writes before it had each added 1 to every byte of the array.
+    chunk = 64 << 10
+    for i in range(16):
+        expected = saved.view(np.uint8)[i * chunk : (i + 1) * chunk] + np.uint8(i)
+        assert np.array_equal(loaded[i * chunk : (i + 1) * chunk], expected), f"chunk {i}"
     assert cas_cli(tmp_path / "store", "verify", "--full").returncode == 0
 
 
