@@ -162,32 +162,36 @@ class SubDeltaCodec(_DeltaCodec):
     def inverse(self, delta: Bytes, base: Bytes, elem_size: int) -> Bytes:
         import numpy as np
 
-        # The decoded delta is a fresh array; undo it in place to spare a pass and an allocation.
-        out = delta if delta.flags.writeable else delta.copy()
-        n = _whole(len(delta), elem_size)
-        zigzag, b, words = (_view(x, n, elem_size) for x in (out, base, out))
-        one = words.dtype.type(1)
-        sign = zigzag & one
-        np.negative(sign, out=sign)
-        np.right_shift(zigzag, one, out=words)
-        np.bitwise_xor(words, sign, out=words)
-        np.add(words, b, out=words)
+        out, n, words = _differences(delta, elem_size)
+        np.add(words, _view(base, n, elem_size), out=words)
         np.bitwise_xor(out[n:], base[n:], out=out[n:])
         return out
 
     def apply(self, delta: Bytes, base: Bytes, elem_size: int) -> None:
         import numpy as np
 
-        scratch = delta if delta.flags.writeable else delta.copy()
-        n = _whole(len(delta), elem_size)
-        words, b = _view(scratch, n, elem_size), _view(base, n, elem_size)
-        one = words.dtype.type(1)
-        sign = words & one
-        np.negative(sign, out=sign)
-        np.right_shift(words, one, out=words)
-        np.bitwise_xor(words, sign, out=words)
+        scratch, n, words = _differences(delta, elem_size)
+        b = _view(base, n, elem_size)
         np.add(b, words, out=b)
         np.bitwise_xor(base[n:], scratch[n:], out=base[n:])
+
+
+def _differences(delta: Bytes, elem_size: int) -> tuple[Bytes, int, npt.NDArray[Any]]:
+    """``(bytes, n, words)``: ``delta`` with its first ``n`` bytes (whole elements) turned from
+    zigzag codes back into differences, ``words`` viewing them. The decoded delta is a fresh
+    array, so it is undone in place to spare a pass and an allocation; a read-only one is
+    copied first."""
+    import numpy as np
+
+    scratch = delta if delta.flags.writeable else delta.copy()
+    n = _whole(len(delta), elem_size)
+    words = _view(scratch, n, elem_size)
+    one = words.dtype.type(1)
+    sign = words & one
+    np.negative(sign, out=sign)
+    np.right_shift(words, one, out=words)
+    np.bitwise_xor(words, sign, out=words)
+    return scratch, n, words
 
 
 def _whole(length: int, elem_size: int) -> int:
