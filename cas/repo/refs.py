@@ -133,8 +133,9 @@ class RefOperations:
         protected ref that names another checkpoint moves only with ``overwrite=True``.
         """
         ref = parse_ref_name(name)
-        point = self._guarded(ref, pointing(ref, target, expected), overwrite)
-        record = self.refs_store.update(ref, point, op=op, message=message)
+        record = self.update_ref(
+            ref, pointing(ref, target, expected), op=op, message=message, overwrite=overwrite
+        )
         assert record is not None
         return record
 
