@@ -145,7 +145,7 @@ def ceiling_writers(
     def direct() -> None:
         def half(index: int) -> None:
             aligned = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
-            aligned.write(bytes(pieces[0][: min(chunk, len(pieces[0]))]))
+            aligned.write(pieces[0][:chunk])
             blocks = [memoryview(aligned)] * (total // 2 // chunk)
             try:
                 write_file(place / f"direct{index}", blocks, getattr(os, "O_DIRECT", 0))
