@@ -469,6 +469,10 @@ def bench_workload(workload: Workload, work: Path, scale: Scale) -> dict[str, An
         },
     }
     row["cas"]["ceiling"] = floor.load_ceiling(plain["repo"], auto["repo"], newest)
+    row["cas"]["parallel_load"] = floor.parallel_load(auto["repo"], newest)
+    runs = [sorted(d.glob("*.pt")) for _, d, _ in workload.checkpoints]
+    if not workload.copies and all(len(pt) == 1 for pt in runs):
+        row["cas"]["entropy_bound"] = floor.entropy_bound([pt[0] for pt in runs])
     for repo in (plain["repo"], *(m["repo"] for m in schemes.values())):
         repo.close()
     row.update(peer_rows(workload, work, scale))
