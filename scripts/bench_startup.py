@@ -118,15 +118,23 @@ def measure_puts(
         torch.save(state, path)
         paths.append(path)
     out: dict[str, Any] = {"files": files, "bytes": sum(p.stat().st_size for p in paths)}
-    sources = {"cas": None} if baseline is None else {"baseline": baseline, "cas": None}
+    # label: (package on the path, extra put options); "cas auto" compresses as borg does.
+    sources: dict[str, tuple[Path | None, list[str]]] = {
+        "cas": (None, []),
+        "cas auto": (None, ["--codec", "auto"]),
+    }
+    if baseline is not None:
+        sources = {"baseline": (baseline, []), **sources}
     totals = {label: [0.0, 0.0] for label in sources}
+    stores = {label: work / f"put-store-{label.replace(' ', '-')}" for label in sources}
     borg = borg_archiver(work / "borg-repo")
     if borg is not None:
         totals["borg"] = [0.0, 0.0]
+        stores["borg"] = work / "borg-repo"
     for i, path in enumerate(paths):  # each file by each tool in turn, into its own store
-        for label, source in sources.items():
-            store = work / f"put-store-{label}"
-            argv = [*cas_command(), "--store", str(store), "-q", "put", str(path), f"r/c{i:02d}"]
+        for label, (source, options) in sources.items():
+            argv = [*cas_command(), "--store", str(stores[label]), "-q", "put", *options,
+                    str(path), f"r/c{i:02d}"]  # fmt: skip
             wall, cpu = timed_run((argv, baseline_env(source)))
             totals[label][0] += wall
             totals[label][1] += cpu
@@ -135,7 +143,13 @@ def measure_puts(
             totals["borg"][0] += wall
             totals["borg"][1] += cpu
     for label, (wall, cpu) in totals.items():
-        out[label] = {"seconds": wall, "cpu_seconds": cpu, "seconds_per_put": wall / files}
+        stored = sum(p.stat().st_size for p in stores[label].rglob("*") if p.is_file())
+        out[label] = {
+            "seconds": wall,
+            "cpu_seconds": cpu,
+            "seconds_per_put": wall / files,
+            "stored_ratio": stored / out["bytes"],
+        }
     return out
 
 
@@ -181,13 +195,16 @@ def run(
         print(f"  {name:<24}{wall * 1000:>9.0f}{ratios[0]}{cpu * 1000:>9.0f}{ratios[1]}")
     print(f"  target: cas commands under {TARGET_RATIO}x import torch")
     each = puts["bytes"] / puts["files"] / 1e6
-    for label in ("baseline", "cas", "borg"):
+    for label in ("baseline", "cas", "cas auto", "borg"):
         if label in puts:
             row = puts[label]
-            what = "borg create (zstd,3)" if label == "borg" else f"{label} put"
+            what = {"borg": "borg create (zstd,3)", "cas auto": "cas put --codec auto"}.get(
+                label, f"{label} put"
+            )
             print(
                 f"{puts['files']} x {what} of {each:.0f} MB .pt files: {row['seconds']:.2f} s "
-                f"wall, {row['cpu_seconds']:.2f} s CPU ({row['seconds_per_put']:.2f} s per file)"
+                f"wall, {row['cpu_seconds']:.2f} s CPU ({row['seconds_per_put']:.2f} s per file),"
+                f" stored {row['stored_ratio']:.3f} of the files"
             )
     return {"startup": startup, "puts": puts}
 
