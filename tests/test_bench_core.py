@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,6 +33,11 @@ def test_the_core_benchmark_reports_every_peer_the_floor_and_cas_put_in_one_run(
     assert set(core["ceiling_s"]) == {"one file", "parallel", "direct"}
     assert all(seconds > 0 for seconds in core["ceiling_s"].values())
     assert core["put_pt_s"] > 0
+    assert core["resave_floor_s"] > 0
+    assert core["ceiling"]["resave_floor_vs_torch_save"] == pytest.approx(
+        core["resave_floor_s"] / core["rows"]["torch.save"]["save"]
+    )
+    assert "re-save floor" in run.stdout
     assert set(core["targets"]) == {
         "first_save_vs_torch_save_throughput",
         "resave10_vs_torch_save_time",
