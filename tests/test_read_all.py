@@ -10,6 +10,7 @@ pool has no free thread.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -181,3 +182,30 @@ def test_a_read_under_a_megabyte_stays_on_the_caller(tmp_path: Path) -> None:
     assert bytes(out) == data
     assert {thread for _, thread in seen} == {threading.get_ident()}
     io.close()
+
+
+def test_a_blob_longer_than_one_read_returns_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux returns at most ~2 GiB per read; a larger blob is gathered over several (shown
+    here with the cap lowered to 4 KiB), and a short read below the cap is the blob's end."""
+    import cas.blobstore.local as local
+
+    store = LocalBlobStore(tmp_path / "store")
+    blob = np.random.default_rng(2).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    store.put("blobs/big", blob)
+    real = os.pread
+    calls: list[int] = []
+
+    def capped(fd: int, length: int, offset: int) -> bytes:
+        calls.append(length)
+        return real(fd, min(length, 4096), offset)
+
+    monkeypatch.setattr(local, "_MAX_READ", 4096)
+    monkeypatch.setattr(os, "pread", capped)
+    assert store.get("blobs/big") == blob
+    assert len(calls) == 3
+    calls.clear()
+    assert store.get_range("blobs/big", 9_000, 20_000) == blob[9_000:]  # past the end: its end
+    assert calls == [11_000]
+    assert store.get_range("blobs/big", 100, 8_300) == blob[100:8_300]
