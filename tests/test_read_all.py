@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cas.blobstore import LocalBlobStore
+from cas.blobstore import LocalBlobStore, MemoryBlobStore
 from cas.codecs import EncodeHints, codec_by_name
 from cas.digest import Digest
 from cas.errors import FormatError, IntegrityError
@@ -209,3 +209,28 @@ def test_a_blob_longer_than_one_read_returns_is_read_whole(
     assert store.get_range("blobs/big", 9_000, 20_000) == blob[9_000:]  # past the end: its end
     assert calls == [11_000]
     assert store.get_range("blobs/big", 100, 8_300) == blob[100:8_300]
+
+
+def test_a_small_read_from_a_remote_store_still_overlaps() -> None:
+    """A remote read waits on the network, not the CPU: a few kilobytes of chunks still get
+    helpers (shown on an in-memory store, which does not read in place)."""
+    data = np.random.default_rng(3).integers(0, 256, 8 * 4096, dtype=np.uint8).tobytes()
+    io = ChunkIO(ObjectStore(MemoryBlobStore()), 4, readers=2)
+    cuts = [Cut(i * 4096, 4096) for i in range(8)]
+    futures = io.write_cuts(
+        memoryview(data), cuts, codec_by_name("raw"), EncodeHints(), WriteStats()
+    )
+    refs = [f.result() for f in futures]
+    barrier = threading.Barrier(2, timeout=20)
+    started = iter(range(10**6))
+
+    def meet(_: Digest) -> None:
+        if next(started) < 2:
+            barrier.wait()
+
+    seen = _watch(io, meet)
+    out = bytearray(len(data))
+    io.read_all([(refs, memoryview(out))])
+    assert bytes(out) == data
+    assert len({thread for _, thread in seen}) == 2
+    io.close()

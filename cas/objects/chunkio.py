@@ -184,10 +184,12 @@ class ChunkIO:
         # future, queue hop or wake-up of the caller per chunk (with one task per chunk, a 13 MB
         # GPT checkpoint of 57 chunks loaded no faster on 2 cores than on one), and a call made
         # from a pool thread still finishes with the pool busy.
-        # A helper is worth waking for a megabyte or more: below that (a tiny model's whole
-        # checkpoint) the wake-ups cost more than the reading they share.
-        total = sum(len(out) for _, out in jobs)
-        wanted = min(self.readers - 1, total >> 20, sum(len(chunks) for chunks, _ in jobs) - 1)
+        # From a local disk a read is CPU work, and a helper is worth waking for a megabyte or
+        # more: below that (a tiny model's whole checkpoint) the wake-ups cost more than the
+        # reading they share. A remote read waits on the network, so every chunk may have one.
+        wanted = min(self.readers - 1, sum(len(chunks) for chunks, _ in jobs) - 1)
+        if self.objects.blobs.reads_in_place:
+            wanted = min(wanted, sum(len(out) for _, out in jobs) >> 20)
         helpers = [self.pool.submit(drain) for _ in range(max(0, wanted))]
         drain()
         for helper in helpers:
