@@ -3,6 +3,8 @@
 Every writer is durable (fsync) and every figure comes from the same run. Sections:
 
 - ``core``: first save, re-save with 10% of the tensors changed, and load of a ~1 GB state dict.
+  Each of the three is measured for every writer in rounds whose order rotates (``interleaved``),
+  so none is always the one that runs after the others have filled and freed the page cache.
 - ``startup``: ``cas --version`` and ``cas ls`` against ``import torch`` in the same run, and ten
   ``cas put`` processes of ~100 MB .pt files (``scripts/bench_startup.py``).
 - ``compression``, ``gc``, ``fs``, ``manager``, ``s3``: delegated to ``scripts/bench_<name>.py``
@@ -94,6 +96,28 @@ def timed(
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved(
+    measures: dict[str, tuple[Callable[[], object], Callable[[], object] | None]], repeat: int
+) -> dict[str, float]:
+    """``timed`` for several writers at once: ``repeat`` rounds, each running every measure once
+    (its setup untimed, then ``os.sync``), in an order that rotates round by round, so no writer
+    is always the one measured after the others have filled and freed the page cache. The
+    median of each."""
+    names = list(measures)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeat):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, setup = measures[name]
+            if setup is not None:
+                setup()
+            os.sync()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def ceiling_writers(
@@ -269,38 +293,44 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
         repo.save(state, "bench/base")
         repo.close()
 
-    rows: dict[str, dict[str, float]] = {}
-    ceilings = {
-        name: timed(write, repeat, clear)
-        for name, (write, clear) in ceiling_writers(work, state).items()
-    }
-    shutil.rmtree(work / "ceiling", ignore_errors=True)
-    results["ceiling_s"] = ceilings
-    floor_resave, floor_clear = resave_floor(work, state, changed)
-    results["resave_floor_s"] = timed(floor_resave, repeat, floor_clear)
-    shutil.rmtree(work / "resave-floor", ignore_errors=True)
-    rows["torch.save"] = {"save": timed(torch_save, repeat, reset(pt))}
-    rows["torch.save"]["resave10"] = timed(lambda: torch_save(changed), repeat)
-    rows["torch.save"]["load"] = timed(lambda: touch(torch.load(pt, weights_only=True)), repeat)
-    rows["safetensors"] = {"save": timed(st_save, repeat, reset(st))}
-    rows["safetensors"]["resave10"] = timed(lambda: st_save(changed), repeat)
-    rows["safetensors"]["load"] = timed(lambda: touch(load_file(st)), repeat)
-    rows["dcp"] = {"save": timed(dcp_save, repeat, reset(dcp_dir))}
-
     def dcp_resave() -> None:
         reset(dcp_dir)()
         dcp_save(changed)
 
-    rows["dcp"]["resave10"] = timed(dcp_resave, repeat)
     target = {k: torch.empty_like(v) for k, v in state.items()}
 
     def dcp_load() -> None:
         state_dict_loader.load(target, checkpoint_id=str(dcp_dir))
         touch(target)
 
-    rows["dcp"]["load"] = timed(dcp_load, repeat)
-    rows["cas"] = {"save": timed(cas_save, repeat, reset(store_dir))}
-    rows["cas"]["resave10"] = timed(cas_resave, repeat, cas_store_with_state)
+    # Three phases, each interleaved round by round: first saves (with the plain writes the
+    # disk allows), re-saves (with their floor), then warm loads of what is on disk.
+    ceiling = {f"ceiling:{name}": pair for name, pair in ceiling_writers(work, state).items()}
+    saves = interleaved(
+        {
+            **ceiling,
+            "torch.save": (torch_save, reset(pt)),
+            "safetensors": (st_save, reset(st)),
+            "dcp": (dcp_save, reset(dcp_dir)),
+            "cas": (cas_save, reset(store_dir)),
+        },
+        repeat,
+    )
+    shutil.rmtree(work / "ceiling", ignore_errors=True)
+    results["ceiling_s"] = {name.split(":", 1)[1]: saves[name] for name in ceiling}
+    floor_resave, floor_clear = resave_floor(work, state, changed)
+    resaves = interleaved(
+        {
+            "floor": (floor_resave, floor_clear),
+            "torch.save": (lambda: torch_save(changed), None),
+            "safetensors": (lambda: st_save(changed), None),
+            "dcp": (dcp_resave, None),
+            "cas": (cas_resave, cas_store_with_state),
+        },
+        repeat,
+    )
+    shutil.rmtree(work / "resave-floor", ignore_errors=True)
+    results["resave_floor_s"] = resaves["floor"]
     torch_save()  # the file cas put ingests, as a cron job would
     put_dir = work / "put-store"
 
@@ -311,12 +341,26 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
 
     results["put_pt_s"] = timed(cas_put, repeat, reset(put_dir))
     reset(put_dir)()
-    repo = cas.open(store_dir)
-    rows["cas"]["load"] = timed(lambda: touch(repo.load("bench/base")), repeat)
-    rows["cas"]["load_mmap"] = timed(lambda: touch(repo.load("bench/base", mmap=True)), repeat)
+    repo = cas.open(store_dir)  # holds bench/base from the last re-save's setup
+    loads = interleaved(
+        {
+            "torch.save": (lambda: touch(torch.load(pt, weights_only=True)), None),
+            "safetensors": (lambda: touch(load_file(st)), None),
+            "dcp": (dcp_load, None),
+            "cas": (lambda: touch(repo.load("bench/base")), None),
+            "cas mmap": (lambda: touch(repo.load("bench/base", mmap=True)), None),
+        },
+        repeat,
+    )
     check = repo.load("bench/base")
     assert all(torch.equal(check[k], v) for k, v in state.items()), "cas load is not bit-exact"
     repo.close()
+    rows: dict[str, dict[str, float]] = {
+        name: {"save": saves[name], "resave10": resaves[name], "load": loads[name]}
+        for name in ("torch.save", "safetensors", "dcp", "cas")
+    }
+    rows["cas"]["load_mmap"] = loads["cas mmap"]
+    ceilings = results["ceiling_s"]
     for row in rows.values():
         row["save_gbps"] = nbytes / GB / row["save"]
         row["load_gbps"] = nbytes / GB / row["load"]
