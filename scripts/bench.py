@@ -87,15 +87,18 @@ def timed(
 
     Every run starts with no dirty pages left by the one before (``os.sync`` untimed), so a
     durable writer never pays for flushing another writer's files."""
-    times = []
-    for _ in range(repeat):
-        if setup is not None:
-            setup()
-        os.sync()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved({"fn": (fn, setup)}, repeat)["fn"]
+
+
+def write_durably(path: Path, parts: list[memoryview], flags: int = 0) -> None:
+    """Write ``parts`` to a new file at ``path`` (``flags`` added to the open) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+    try:
+        for part in parts:
+            os.write(fd, part)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def interleaved(
@@ -148,22 +151,13 @@ def ceiling_writers(
         shutil.rmtree(place, ignore_errors=True)
         place.mkdir()
 
-    def write_file(path: Path, parts: list[memoryview], flags: int = 0) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
-        try:
-            for part in parts:
-                os.write(fd, part)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def one_file() -> None:
-        write_file(place / "one", pieces)
+        write_durably(place / "one", pieces)
         fsync_path(place)
 
     def parallel() -> None:
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda i: write_file(place / f"{i}", [pieces[i]]), range(len(pieces))))
+            list(pool.map(lambda i: write_durably(place / f"{i}", [pieces[i]]), range(len(pieces))))
         fsync_path(place)
 
     def direct() -> None:
@@ -172,9 +166,9 @@ def ceiling_writers(
             aligned.write(pieces[0][:chunk])
             blocks = [memoryview(aligned)] * (total // 2 // chunk)
             try:
-                write_file(place / f"direct{index}", blocks, getattr(os, "O_DIRECT", 0))
+                write_durably(place / f"direct{index}", blocks, getattr(os, "O_DIRECT", 0))
             except OSError:  # a filesystem without O_DIRECT (tmpfs): through the page cache
-                write_file(place / f"direct{index}", blocks)
+                write_durably(place / f"direct{index}", blocks)
 
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(half, range(2)))
@@ -211,17 +205,11 @@ def resave_floor(
         shutil.rmtree(place, ignore_errors=True)
         place.mkdir()
 
-    def write(index: int) -> None:
-        fd = os.open(place / str(index), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, new[index])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def resave() -> None:
         with ThreadPoolExecutor(8) as writers, ThreadPoolExecutor(2) as hashers:
-            written = writers.map(write, range(len(new)))
+            written = writers.map(
+                lambda i: write_durably(place / str(i), [new[i]]), range(len(new))
+            )
             list(hashers.map(lambda piece: blake3.blake3(piece).digest(), everything))
             list(written)
         fsync_path(place)

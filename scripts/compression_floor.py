@@ -129,24 +129,16 @@ def entropy_bound(checkpoints: list[Path]) -> dict[str, float]:
     import numpy as np
     import torch
 
+    from cas.model.state import encode_state
+
     def tensors(path: Path) -> dict[str, Any]:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        out: dict[str, Any] = {}
-
-        def walk(prefix: str, node: Any) -> None:
-            if isinstance(node, torch.Tensor):
-                if node.is_floating_point() and node.numel() > 0:
-                    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[node.element_size()]
-                    out[prefix] = node.detach().contiguous().view(ints).numpy().reshape(-1)
-            elif isinstance(node, dict):
-                for key, value in node.items():
-                    walk(f"{prefix}.{key}", value)
-            elif isinstance(node, (list, tuple)):
-                for i, value in enumerate(node):
-                    walk(f"{prefix}.{i}", value)
-
-        walk("", state)
-        return out
+        """Each non-empty float tensor of the checkpoint, by cas's dotted path, as integers."""
+        _, sources = encode_state(torch.load(path, map_location="cpu", weights_only=True))
+        return {
+            s.path: np.frombuffer(s.data, dtype=f"<i{s.elem_size}")
+            for s in sources
+            if "float" in s.dtype and s.nbytes
+        }
 
     def planes_bytes(values: Any) -> float:
         """Order-0 entropy of each byte plane, in bytes."""

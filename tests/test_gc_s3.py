@@ -142,14 +142,21 @@ def test_a_writer_paused_past_its_lease_is_refused_and_loses_nothing_on_s3(
     assert not repo.plan_gc(NO_GRACE).broken_refs
 
 
-def test_a_save_reusing_a_chunk_gc_is_about_to_delete_survives_on_s3(s3_url: str) -> None:
+def unreferenced_old_chunk(url: str) -> tuple[dict[str, Any], Digest]:
+    """A state of one chunk, stored at ``url`` and then forgotten, its chunk older than GC's
+    cutoff: what a GC deletes unless a writer reuses it first."""
     reused = {"reused": tensor(7, CHUNK)}
-    base = s3_repo(s3_url)
+    base = s3_repo(url)
     base.save(reused, "old")
     base.rm("old")
     time.sleep(1.1)  # older than GC's cutoff: S3 mtimes count whole seconds
     (digest,) = chunk_digests(base)
-    key = chunk_key(Digest(digest))
+    return reused, Digest(digest)
+
+
+def test_a_save_reusing_a_chunk_gc_is_about_to_delete_survives_on_s3(s3_url: str) -> None:
+    reused, digest = unreferenced_old_chunk(s3_url)
+    key = chunk_key(digest)
     holds: list[HoldDelete] = []
     touches: list[SignalTouch] = []
 

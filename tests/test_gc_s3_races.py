@@ -28,7 +28,7 @@ from tests.gc_workers import CHUNK, state
 from tests.helpers import assert_bit_exact
 from tests.retention_helpers import chunk_digests, reachable_chunks, tensor
 from tests.s3_race_workers import KEEP_LAST, SlowDelete
-from tests.test_gc_s3 import NO_GRACE, ROOT, s3_repo
+from tests.test_gc_s3 import NO_GRACE, ROOT, s3_repo, unreferenced_old_chunk
 
 pytestmark = pytest.mark.s3
 
@@ -164,14 +164,9 @@ class PushSide(BlobStoreWrapper):
 def test_a_push_reusing_a_chunk_gc_deletes_before_its_commit_is_refused_not_lost(
     s3_url: str, tmp_path: Path
 ) -> None:
-    reused = {"reused": tensor(7, CHUNK)}
-    base = s3_repo(s3_url)
-    base.save(reused, "old")
-    base.rm("old")
-    time.sleep(1.1)  # older than GC's cutoff: S3 mtimes count whole seconds
-    (digest,) = chunk_digests(base)
+    reused, digest = unreferenced_old_chunk(s3_url)
     meet = Rendezvous()
-    gc_repo = s3_repo(s3_url, lambda blobs: GCSide(blobs, chunk_key(Digest(digest)), meet))
+    gc_repo = s3_repo(s3_url, lambda blobs: GCSide(blobs, chunk_key(digest), meet))
     remote = s3_repo(s3_url, lambda blobs: PushSide(blobs, meet))
     local = local_repo(tmp_path / "local")
     local.save(reused, "new")

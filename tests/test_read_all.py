@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from cas.blobstore import LocalBlobStore, MemoryBlobStore
+from cas.blobstore.base import BlobStore
 from cas.codecs import EncodeHints, codec_by_name
 from cas.digest import Digest
 from cas.errors import FormatError, IntegrityError
@@ -34,16 +35,36 @@ CHUNK = 256 << 10
 
 
 def _stored(
-    tmp_path: Path, chunks: int, workers: int = 4, readers: int = 2
+    tmp_path: Path,
+    chunks: int,
+    workers: int = 4,
+    readers: int = 2,
+    size: int = CHUNK,
+    blobs: BlobStore | None = None,
 ) -> tuple[ChunkIO, bytes, list[ChunkRef]]:
-    """``chunks`` distinct raw chunks written through a ChunkIO with ``readers`` readers."""
-    data = np.random.default_rng(1).integers(0, 256, chunks * CHUNK, dtype=np.uint8).tobytes()
-    io = ChunkIO(ObjectStore(LocalBlobStore(tmp_path / "store")), workers, readers=readers)
-    cuts = [Cut(i * CHUNK, CHUNK) for i in range(chunks)]
+    """``chunks`` distinct raw chunks of ``size`` bytes written through a ChunkIO with
+    ``readers`` readers, on ``blobs`` (default: a local store under ``tmp_path``)."""
+    data = np.random.default_rng(1).integers(0, 256, chunks * size, dtype=np.uint8).tobytes()
+    store = blobs if blobs is not None else LocalBlobStore(tmp_path / "store")
+    io = ChunkIO(ObjectStore(store), workers, readers=readers)
+    cuts = [Cut(i * size, size) for i in range(chunks)]
     futures = io.write_cuts(
         memoryview(data), cuts, codec_by_name("raw"), EncodeHints(), WriteStats()
     )
     return io, data, [f.result() for f in futures]
+
+
+def _first_two_meet() -> Callable[[Digest], None]:
+    """A ``before`` for ``_watch`` where each of the first two reads waits for the other: reads
+    made one at a time break the barrier (timeout) instead of passing it."""
+    barrier = threading.Barrier(2, timeout=20)
+    started = iter(range(10**6))
+
+    def meet(_: Digest) -> None:
+        if next(started) < 2:
+            barrier.wait()
+
+    return meet
 
 
 def _watch(
@@ -67,16 +88,7 @@ def _watch(
 
 def test_reads_overlap_on_the_caller_and_a_helper(tmp_path: Path) -> None:
     io, data, refs = _stored(tmp_path, 8, readers=2)
-    # Each of the first two reads waits for the other: a load reading one chunk at a time would
-    # break the barrier (timeout) instead of passing it.
-    barrier = threading.Barrier(2, timeout=20)
-    started = iter(range(10**6))
-
-    def meet(_: Digest) -> None:
-        if next(started) < 2:
-            barrier.wait()
-
-    seen = _watch(io, meet)
+    seen = _watch(io, _first_two_meet())
     out = bytearray(len(data))
     io.read_all([(refs, memoryview(out))])
     assert bytes(out) == data
@@ -211,24 +223,11 @@ def test_a_blob_longer_than_one_read_returns_is_read_whole(
     assert store.get_range("blobs/big", 100, 8_300) == blob[100:8_300]
 
 
-def test_a_small_read_from_a_remote_store_still_overlaps() -> None:
+def test_a_small_read_from_a_remote_store_still_overlaps(tmp_path: Path) -> None:
     """A remote read waits on the network, not the CPU: a few kilobytes of chunks still get
     helpers (shown on an in-memory store, which does not read in place)."""
-    data = np.random.default_rng(3).integers(0, 256, 8 * 4096, dtype=np.uint8).tobytes()
-    io = ChunkIO(ObjectStore(MemoryBlobStore()), 4, readers=2)
-    cuts = [Cut(i * 4096, 4096) for i in range(8)]
-    futures = io.write_cuts(
-        memoryview(data), cuts, codec_by_name("raw"), EncodeHints(), WriteStats()
-    )
-    refs = [f.result() for f in futures]
-    barrier = threading.Barrier(2, timeout=20)
-    started = iter(range(10**6))
-
-    def meet(_: Digest) -> None:
-        if next(started) < 2:
-            barrier.wait()
-
-    seen = _watch(io, meet)
+    io, data, refs = _stored(tmp_path, 8, readers=2, size=4096, blobs=MemoryBlobStore())
+    seen = _watch(io, _first_two_meet())
     out = bytearray(len(data))
     io.read_all([(refs, memoryview(out))])
     assert bytes(out) == data
