@@ -44,7 +44,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -521,8 +521,11 @@ def _cell(row: dict[str, Any], tool: str, key: str, fmt: str) -> str:
     return format(row[tool][key], fmt) if isinstance(row[tool], dict) else "-"
 
 
-def run(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
-    """Build the workloads, measure cas/borg/restic, print a table; return the figures."""
+def run(
+    quick: bool = False, workdir: str | None = None, only: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Build the workloads (those named in ``only``, or all), measure cas/borg/restic, print a
+    table; return the figures."""
     scale = QUICK if quick else Scale()
     torch.set_num_threads(os.cpu_count() or 1)
     results: dict[str, Any] = {"scale": scale.__dict__, "workloads": {}, "timings": {}}
@@ -538,7 +541,12 @@ def run(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
             ),
             ("minilm-family", lambda: finetune_minilm(work / "files", scale)),
         ]
+        unknown = set(only or ()) - {name for name, _ in builders}
+        if unknown:
+            raise SystemExit(f"no workload named {', '.join(sorted(unknown))}")
         for name, build in builders:
+            if only and name not in only:
+                continue
             t0 = time.perf_counter()
             workload = build()
             t1 = time.perf_counter()
@@ -559,8 +567,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, no borg/restic (< 30 s)")
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "compression.json"))
     parser.add_argument("--workdir", default=None, help="scratch directory on the disk to measure")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="WORKLOAD",
+        help="measure only this workload (repeatable): " + ", ".join(TARGETS),
+    )
     args = parser.parse_args()
-    results = run(quick=args.quick, workdir=args.workdir)
+    results = run(quick=args.quick, workdir=args.workdir, only=args.only)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.out}")
