@@ -8,9 +8,14 @@ from typing import Any
 import pytest
 
 import cas
+import cas.blobstore.local as local_module
 import cas.objects.private as private
 import cas.objects.store as store_module
+from cas.blobstore.direct import O_DIRECT
 from cas.digest import Digest, digest_of
+from cas.objects.store import chunk_key
+from tests.helpers import local_root
+from tests.test_direct_io import in_page_cache
 
 
 def one_worker(path: Path) -> cas.Repository:
@@ -94,3 +99,37 @@ def test_a_first_save_stops_probing_once_chunks_turn_out_new(
     # Each of the 16 new chunks is hashed once where it is written; only the first put probed
     # in place (with more chunk workers, one put per worker can start before the first miss).
     assert len(big) == 16 + 1
+
+
+@pytest.mark.skipif(not O_DIRECT, reason="this platform has no O_DIRECT")
+def test_a_resaves_changed_chunk_skips_the_page_cache_and_is_made_durable_with_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first save is written through the page cache (a load often follows it); a re-save's new
+    chunk, among reused ones, goes past it, and the save's sync still fsyncs its directory."""
+    synced: list[Path] = []
+    real_fsync_dir = local_module._fsync_dir
+
+    def recording(directory: Path) -> None:
+        synced.append(directory)
+        real_fsync_dir(directory)
+
+    monkeypatch.setattr(local_module, "_fsync_dir", recording)
+    state = tensors(8, 5)
+    one_worker(tmp_path / "store").save(state, "runs/a")
+    changed = dict(state, w3=state["w3"] + 1)
+    repo = one_worker(tmp_path / "store")
+    synced.clear()
+    repo.save(changed, "runs/b")
+
+    def chunk_files(ref: str) -> set[Path]:
+        chunks = [c for t in repo.manifest(ref).tensors for c in t.chunks]
+        return {local_root(repo) / chunk_key(c.digest) for c in chunks}
+
+    first = chunk_files("runs/a")
+    (new,) = chunk_files("runs/b") - first
+    assert all(in_page_cache(path, path.stat().st_size) for path in first)
+    assert not in_page_cache(new, new.stat().st_size)
+    assert new.parent in synced
+    back = repo.load("runs/b")
+    assert all(bool((back[k] == v).all()) for k, v in changed.items())

@@ -45,7 +45,8 @@ class ReuseOdds:
     copied into private memory and hashed there. Probing in place first saves the copy when
     most puts are reuses (a re-save, a push of a mostly present checkpoint) and costs a second
     hash per new chunk otherwise (a first save), so puts probe while the recent share of
-    reuses is at least half. Threads racing on the estimate only blur it.
+    reuses is at least half. A chunk found new while it still is goes past the page cache
+    (``ObjectStore.put_chunk``). Threads racing on the estimate only blur it.
     """
 
     WEIGHT = 0.125

@@ -106,6 +106,7 @@ class ObjectStore:
         self.chains = ChainDecoder(blobs, max_object_size)
         self._examining = threading.local()
         self._reuse = ReuseOdds()
+        self._cold = blobs.for_background_writes()  # new chunks of a mostly reused save
 
     def has_chunk(self, digest: Digest) -> bool:
         """Whether the chunk is stored."""
@@ -142,6 +143,7 @@ class ObjectStore:
         chain is broken (safe against any writer: a standalone chunk needs no base). Decoded
         bytes, hence identity, never change.
         """
+        blobs = self.blobs
         if not replace and not is_private(data) and self._reuse.likely():
             # Probe where the bytes lie: a reuse writes nothing, so it needs no private reading
             # (invariant 9 is about what is written); a miss falls through to one.
@@ -150,6 +152,10 @@ class ObjectStore:
                 reused = self._reused(probed, memoryview(data).nbytes, freshen)
                 if reused is not None:
                     return reused
+            if self._reuse.likely():
+                # A new chunk among mostly reused ones (a re-save's changed tensors) goes past
+                # the page cache, which costs a re-save as much CPU as hashing every byte.
+                blobs = self._cold
         view = private_view(data)
         digest = digest_of(view)
         if expected is not None and digest != expected:
@@ -167,7 +173,7 @@ class ObjectStore:
         if replace:
             self.blobs.put(key, (header, payload))
         else:
-            outcome = self._create(digest, (header, payload), freshen, len(view))
+            outcome = self._create(digest, (header, payload), freshen, len(view), blobs)
             if outcome is None:
                 # Damaged, or gone again after every lost create: overwrite it, standalone, so
                 # whichever of several repairing writers lands last, no manifest needs its base.
@@ -194,8 +200,9 @@ class ObjectStore:
         return PutResult(digest, size, 0, False, base) if present else None
 
     def _create(
-        self, digest: Digest, parts: tuple[bytes, bytes | memoryview], freshen: bool, size: int
-    ) -> tuple[bool, Digest | None] | None:
+        self, digest: Digest, parts: tuple[bytes, bytes | memoryview], freshen: bool, size: int,
+        blobs: BlobStore,
+    ) -> tuple[bool, Digest | None] | None:  # fmt: skip
         """Write a new chunk create-only: ``(True, None)`` if this call stored it, else
         ``(False, base)`` with the base of the encoding another writer stored first.
 
@@ -208,7 +215,7 @@ class ObjectStore:
         """
         key = chunk_key(digest)
         for _ in range(CREATE_ATTEMPTS):
-            if self.blobs.put_if_absent(key, parts):
+            if blobs.put_if_absent(key, parts):
                 return True, None
             present, base = self.stored_base(digest, size)
             if present:
@@ -486,6 +493,8 @@ class ObjectStore:
 
     def sync(self) -> None:
         """Make every object stored so far durable (before a manifest or ref names them)."""
+        if self._cold is not self.blobs:
+            self._cold.sync()
         self.blobs.sync()
 
     def list_objects(self, kind: ObjectKind) -> Iterator[StoredObject]:

@@ -304,9 +304,9 @@ class RepositoryCore(RefOperations):
         No ref moves: for update functions passed to ``update_ref``, which return the digest.
         """
         self.leases.check()
-        self.blobs.sync()
+        self.objects.sync()
         digest = self.objects.put_manifest(encode_manifest(manifest), codec_by_name("zstd"))
-        self.blobs.sync()
+        self.objects.sync()
         return digest
 
     @leased

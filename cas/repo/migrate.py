@@ -92,7 +92,7 @@ def migrate(repo: Repository, *, dry_run: bool = False) -> MigrationReport:
             for action in actions:
                 action.run()
                 repo.maintenance.refresh_lock()
-            repo.blobs.sync()  # everything the step wrote is durable before the version moves
+            repo.objects.sync()  # everything the step wrote is durable before the version moves
             # Read again: a policy change made while the step ran must not be lost.
             config = replace(_current_config(repo), version=step.version + 1)
             write_config(repo.blobs, config)
