@@ -24,6 +24,15 @@ def chunk_files(repo: cas.Repository) -> set[str]:
     return set(repo.blobs.list("chunks/"))
 
 
+def ref_chunk_paths(repo: cas.Repository, ref: str) -> list[Path]:
+    """The file of every chunk the checkpoint ``ref`` names, in manifest order (a local store)."""
+    from cas.objects.store import chunk_key
+
+    return [
+        local_root(repo) / chunk_key(c.digest) for t in repo.manifest(ref).tensors for c in t.chunks
+    ]
+
+
 def stored_bytes(repo: cas.Repository) -> int:
     """Bytes of every chunk file in the store."""
     return sum(info.size for info in repo.blobs.list_info("chunks/"))

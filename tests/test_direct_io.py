@@ -16,8 +16,7 @@ import cas.blobstore.direct as direct
 from cas.blobstore.local import TMP_DIR, LocalBlobStore
 from cas.errors import BackendError
 from cas.objects.envelope import HEADER_SIZE
-from cas.objects.store import chunk_key
-from tests.helpers import local_root
+from tests.helpers import ref_chunk_paths
 
 pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this platform has no O_DIRECT")
 
@@ -196,11 +195,7 @@ def test_a_managers_background_saves_skip_the_page_cache_and_plain_saves_do_not(
     with CheckpointManager(repo, run="runs/bg", signals=False, capture_rng=False) as mgr:
         ref = mgr.save(1, {"w": state["w"] + 1}).result().ref
 
-    def chunk_files(name: str) -> list[Path]:
-        chunks = [c for t in repo.manifest(name).tensors for c in t.chunks]
-        return [local_root(repo) / chunk_key(c.digest) for c in chunks]
-
-    plain, background = chunk_files("plain/ckpt"), chunk_files(ref)
+    plain, background = ref_chunk_paths(repo, "plain/ckpt"), ref_chunk_paths(repo, ref)
     assert plain and background
     assert all(in_page_cache(p, p.stat().st_size) for p in plain)
     assert not any(in_page_cache(p, p.stat().st_size) for p in background)

@@ -13,8 +13,7 @@ import cas.objects.private as private
 import cas.objects.store as store_module
 from cas.blobstore.direct import O_DIRECT
 from cas.digest import Digest, digest_of
-from cas.objects.store import chunk_key
-from tests.helpers import local_root
+from tests.helpers import ref_chunk_paths
 from tests.test_direct_io import in_page_cache
 
 
@@ -122,12 +121,8 @@ def test_a_resaves_changed_chunk_skips_the_page_cache_and_is_made_durable_with_t
     synced.clear()
     repo.save(changed, "runs/b")
 
-    def chunk_files(ref: str) -> set[Path]:
-        chunks = [c for t in repo.manifest(ref).tensors for c in t.chunks]
-        return {local_root(repo) / chunk_key(c.digest) for c in chunks}
-
-    first = chunk_files("runs/a")
-    (new,) = chunk_files("runs/b") - first
+    first = set(ref_chunk_paths(repo, "runs/a"))
+    (new,) = set(ref_chunk_paths(repo, "runs/b")) - first
     assert all(in_page_cache(path, path.stat().st_size) for path in first)
     assert not in_page_cache(new, new.stat().st_size)
     assert new.parent in synced
