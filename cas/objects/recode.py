@@ -4,7 +4,8 @@ A chunk's key is the blake3 of its decoded bytes, so re-encoding it never change
 and manifests stay valid in both stores. The transfer layer calls ``recode_chunk`` (or
 ``recode_manifest`` for a whole checkpoint) with the codec the destination wants:
 
-- ``"keep"``: copy the stored object as it is (after decoding and verifying it at the source). A
+- ``"keep"``: copy the stored object as it is, through ``ObjectStore.copy``, which verifies the
+  very bytes it writes (a chunk read twice could change in between). A
   delta chunk keeps its base, so the base is copied first (recursively) when the destination
   lacks it; the manifest that names the chunk already lists those bases for GC.
 - a standalone codec (``"raw"``, ``"shuffle-zstd"``, ``"shuffle-lz4"``, ``"zstd"``...): decode
@@ -26,7 +27,8 @@ from cas.digest import Digest
 from cas.errors import FormatError, IntegrityError
 from cas.model.manifest import ITEMSIZE, Manifest
 from cas.objects.encoding import AUTO, DeltaSettings, choose_codec, group_size
-from cas.objects.store import MAX_DELTA_DEPTH, ObjectStore, PutResult, chunk_key
+from cas.objects.keys import ObjectKind
+from cas.objects.store import MAX_DELTA_DEPTH, ObjectStore, PutResult
 
 KEEP = "keep"
 
@@ -54,18 +56,19 @@ def recode_chunk(
         raise FormatError(
             f"recode cannot choose a base for {codec_name}; use 'keep' or a standalone codec"
         )
-    data = src.get_chunk(digest)  # verified, whatever the source encoding
     if codec_name == KEEP:
         base = src.chunk_base(digest)
         if base is not None and not dst.has_chunk(base):
             recode_chunk(src, dst, base, KEEP, _depth=_depth + 1)
-        if dst.has_chunk(digest):
-            return dst.put_chunk(data, codec_by_name("raw"), expected=digest)  # refreshes it
-        blob = src.blobs.get(chunk_key(digest))
-        if not dst.blobs.put_if_absent(chunk_key(digest), blob):
-            # Stored meanwhile by another writer, perhaps against another base: report that one.
-            return dst.put_chunk(data, codec_by_name("raw"), expected=digest)
-        return PutResult(digest, len(data), len(blob), True, base)
+        if not dst.has_chunk(digest):
+            # One read: the blob verified at the source is the very blob written (no re-read).
+            copied = src.copy(ObjectKind.CHUNK, digest, dst)
+            if copied.created:
+                return PutResult(digest, copied.size, copied.stored_bytes, True, copied.base)
+        # Held there already (or stored meanwhile by another writer, perhaps against another
+        # base): refresh that copy, or heal it if corrupt, and report its base.
+        return dst.put_chunk(src.get_chunk(digest), codec_by_name("raw"), expected=digest)
+    data = src.get_chunk(digest)  # verified, whatever the source encoding
     elem = group_size("", elem_size)
     hints = EncodeHints(elem_size=elem, level=level)
     if codec_name == AUTO:

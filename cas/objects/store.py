@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from cas.blobstore.base import BlobStore
 from cas.blobstore.bulk import DEFAULT_WORKERS, read_into
 from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
-from cas.digest import Digest, digest_of, digest_of_parts
+from cas.digest import Digest, digest_of
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
-from cas.objects import inventory
+from cas.objects import inventory, readcheck
 from cas.objects.buffers import gather, scatter
 from cas.objects.decoding import MAX_DELTA_DEPTH as MAX_DELTA_DEPTH
 from cas.objects.decoding import ChainDecoder, OtherSize
@@ -254,7 +254,9 @@ class ObjectStore:
                 )
             except FormatError:
                 return False, None
-            if digest_of(decoded) != digest:
+            try:
+                readcheck.verify_digest(decoded, digest, f"chunk {digest}")
+            except IntegrityError:
                 return False, None
         return True, codec.base_of(envelope.params)
 
@@ -332,7 +334,11 @@ class ObjectStore:
             return None  # the base, not these bytes
         finally:
             examining.discard(digest)
-        if len(decoded) != envelope.decoded_size or digest_of(decoded) != digest:
+        try:
+            readcheck.verify_digest(
+                decoded, digest, f"{kind.noun} {digest}", size=envelope.decoded_size
+            )
+        except IntegrityError:
             return "its bytes hash to something else"
         return None
 
@@ -357,10 +363,7 @@ class ObjectStore:
         else:
             self.chains.decode_into(digest, blob, out)
             decoded = out
-        if digest_of(decoded) != digest:
-            raise IntegrityError(
-                f"chunk {digest} is corrupt: its bytes (or a delta base's) hash to something else"
-            )
+        readcheck.verify_digest(decoded, digest, f"chunk {digest} (or a delta base of it)")
         return decoded
 
     def read_chunk_into(self, digest: Digest, out: memoryview, *, encoded: bool = False) -> None:
@@ -408,8 +411,9 @@ class ObjectStore:
         magic, version, codec_id, params_len, decoded_size = HEADER.unpack_from(header, 0)
         fixed = (OBJECT_MAGIC, OBJECT_VERSION, RAW_CODEC_ID, 0)
         if (magic, version, codec_id, params_len) == fixed and decoded_size == size:
-            if got != HEADER_SIZE + size or digest_of_parts(outs) != digest:
+            if got != HEADER_SIZE + size:
                 raise IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
+            readcheck.verify_digest(outs, digest, f"chunk {digest}")
             return True
         if got < HEADER_SIZE + size:
             # An encoded chunk smaller than its decoded bytes was read whole: decode that copy
@@ -452,10 +456,7 @@ class ObjectStore:
             raise self._missing(ObjectKind.MANIFEST, digest, missing) from e
         try:
             decoded = bytes(self.chains.decode(digest, blob))
-            if digest_of(decoded) != digest:
-                raise IntegrityError(
-                    f"manifest {digest} is corrupt: its bytes hash to something else"
-                )
+            readcheck.verify_digest(decoded, digest, f"manifest {digest}")
         except IntegrityError as e:
             raise self._found_corrupt(ObjectKind.MANIFEST, digest, e, "read") from e
         return decoded
@@ -479,9 +480,10 @@ class ObjectStore:
             mapped.close()
             return None  # not a raw chunk
         payload = memoryview(mapped)[HEADER_SIZE:]
-        if digest_of(payload) != digest:
-            error = IntegrityError(f"chunk {digest} is corrupt: its bytes hash to something else")
-            raise self._found_corrupt(ObjectKind.CHUNK, digest, error, "read")
+        try:
+            readcheck.verify_digest(payload, digest, f"chunk {digest}")
+        except IntegrityError as error:
+            raise self._found_corrupt(ObjectKind.CHUNK, digest, error, "read") from error
         return payload
 
     # -- the store as a whole: what retention and transfers ask of it ---------------------------
@@ -569,8 +571,7 @@ class ObjectStore:
             )
         except FormatError as e:
             raise IntegrityError(f"{where} is corrupt: {e}") from e
-        if len(decoded) != envelope.decoded_size or digest_of(decoded) != digest:
-            raise IntegrityError(f"{where} is corrupt: its bytes hash to something else")
+        readcheck.verify_digest(decoded, digest, where, size=envelope.decoded_size)
         return decoded
 
     def copy(self, kind: ObjectKind, digest: Digest, to: ObjectStore) -> CopiedObject:
