@@ -140,8 +140,9 @@ def _numpy_bytes(array: np.ndarray[Any, Any]) -> memoryview:
     if array.dtype.hasobject or array.dtype.fields is not None:
         raise FormatError(f"cannot store a numpy array of dtype {array.dtype} (objects/records)")
     contiguous = np.ascontiguousarray(array)
-    if contiguous.dtype.byteorder == ">":
-        contiguous = contiguous.astype(contiguous.dtype.newbyteorder("<"))
+    little = contiguous.dtype.newbyteorder("<")
+    if contiguous.dtype != little:  # '>' anywhere, '=' on a big-endian host: stored little-endian
+        contiguous = contiguous.astype(little)
     return memoryview(contiguous.reshape(-1).view(np.uint8)).cast("B")  # type: ignore[arg-type]
 
 
@@ -394,6 +395,8 @@ def _tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: to
     if np_dtype.hasobject:
         raise FormatError(f"refusing numpy dtype {dtype!r} (objects)")
     array = buffer.numpy().view(np_dtype).reshape(shape)
+    if not np_dtype.isnative:  # stored little-endian; a big-endian host gets its own order
+        array = array.astype(np_dtype.newbyteorder("="))
     return array[()] if kind == "numpy_scalar" else array
 
 
