@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,10 @@ import cas
 from cas.cli import cli
 from cas.codecs import EncodeHints, codec_by_name
 from cas.digest import Digest
-from cas.model.manifest import Manifest
 from cas.objects.recode import recode_chunk, recode_manifest
 from cas.objects.store import ObjectStore, PutResult, chunk_key
 from cas.repo.config import StoreConfig
+from cas.retention.gc import GCSettings
 from tests.helpers import assert_bit_exact, local_root
 
 CHUNK = 16 << 10
@@ -73,18 +74,17 @@ def tensor_encodings(repo: cas.Repository, ref: str) -> dict[str, dict[str, Any]
     return {p: manifest.tensors[i].encoding or {} for p, i in iter_tensor_paths(manifest.tree)}
 
 
-def simulate_gc(repo: cas.Repository) -> int:
-    """Delete every chunk no remaining ref's manifest names (bases included); return how many."""
-    keep: set[Digest] = set()
-    for record in repo.refs():
-        manifest: Manifest = repo.manifest(record.target)
-        keep |= manifest.chunk_digests()
-    deleted = 0
-    for key in list(repo.blobs.list("chunks/")):
-        if key.rsplit("/", 1)[-1] not in keep:
-            repo.blobs.delete(key)
-            deleted += 1
-    return deleted
+def collect_garbage(repo: cas.Repository) -> int:
+    """Run the real GC (``plan_gc``, then ``execute``) with no grace period and no history
+    window, so it keeps exactly what the current refs' manifests name, delta bases included;
+    return how many chunks it deleted.
+
+    GC's clock runs two seconds ahead of the store's: objects written a moment ago would
+    otherwise share the plan's clock tick (S3 counts whole seconds) and be kept as young.
+    """
+    plan = repo.plan_gc(GCSettings(grace=0, reflog_window=0), clock=lambda: time.time() + 2)
+    assert not plan.live_leases and not plan.broken_refs
+    return plan.execute().deleted_chunks
 
 
 def test_consecutive_checkpoints_are_stored_as_deltas_and_load_bit_exact(tmp_path: Path) -> None:
@@ -163,7 +163,7 @@ def test_gc_from_manifests_alone_keeps_the_bases_of_a_kept_checkpoint(tmp_path: 
     repo.save(states[2], "runs/r1/step3", parent="runs/r1/step2")
     repo.rm("runs/r1/step1")
     repo.rm("runs/r1/step2")
-    simulate_gc(repo)
+    collect_garbage(repo)
     assert_bit_exact(repo.load("runs/r1/step3"), states[2])
 
 
@@ -179,7 +179,7 @@ def test_reusing_a_delta_chunk_records_its_bases_so_gc_spares_them(tmp_path: Pat
     assert repo.last_write.new_chunks == 0
     repo.rm("a")
     repo.rm("b")
-    assert simulate_gc(repo) > 0
+    assert collect_garbage(repo) > 0
     assert_bit_exact(repo.load("gates/best"), states[1])
 
 
@@ -193,7 +193,7 @@ def test_a_raw_store_rewrites_a_reused_delta_chunk_standalone(tmp_path: Path) ->
     assert not any(t.base_digests() for t in raw_store.manifest("hot").tensors)
     raw_store.rm("a")
     raw_store.rm("b")
-    simulate_gc(raw_store)
+    collect_garbage(raw_store)
     assert_bit_exact(raw_store.load("hot", mmap=True), states[1])
 
 
@@ -336,7 +336,7 @@ def test_a_save_that_loses_a_chunk_race_records_the_stored_base_so_gc_keeps_it(
         repo = cas.open(root)
         for ref in {"a", "b", "x1", "x2"} - {keep}:
             repo.rm(ref)
-        assert simulate_gc(repo) > 0
+        assert collect_garbage(repo) > 0
         assert_bit_exact(repo.load(keep), x)
 
 
@@ -481,7 +481,7 @@ def test_an_s3_archive_stores_deltas_and_keeps_reused_bases(s3_url: str) -> None
     repo.save(states[1], "gates/best")  # dedup hits on delta chunks, learnt from S3 headers
     assert any(t.base_digests() for t in repo.manifest("gates/best").tensors)
     repo.rm("runs/a")
-    simulate_gc(repo)
+    collect_garbage(repo)
     assert_bit_exact(repo.load("gates/best"), states[1])
 
 
@@ -507,7 +507,7 @@ def test_a_push_onto_a_chunk_the_destination_stored_as_a_delta_keeps_it_decodabl
     assert dst.push(mirror, ["b"]).chunks_rewritten == 0
     dst.rm("a")
     dst.rm("b")
-    assert simulate_gc(dst) > 0
+    assert collect_garbage(dst) > 0
     assert_bit_exact(dst.load("pushed"), states[1])
 
 
@@ -538,7 +538,7 @@ def test_a_save_after_a_push_records_the_base_any_entry_lists_for_a_chunk(tmp_pa
     dst.save({"t0": later}, "d3", parent="m")
     for ref in ("d1", "d2", "m"):
         dst.rm(ref)
-    simulate_gc(dst)
+    collect_garbage(dst)
     assert torch.equal(dst.load("d3")["t0"], later)
 
 

@@ -10,8 +10,8 @@ from cas.objects.encoding import DeltaSettings
 from tests.helpers import assert_bit_exact
 from tests.test_delta import (
     DELTA_CODECS,
+    collect_garbage,
     delta_repo,
-    simulate_gc,
     tensor_encodings,
     training_states,
 )
@@ -76,7 +76,7 @@ def test_gc_keeping_only_the_newest_keeps_its_keyframes(tmp_path: Path) -> None:
     states = training_states(4)
     for state in states:
         repo.save(state, "ckpt")
-    assert simulate_gc(repo) > 0  # the checkpoints in between go, their keyframes stay
+    assert collect_garbage(repo) > 0  # the checkpoints in between go, their keyframes stay
     assert_bit_exact(repo.load("ckpt"), states[-1])
 
 
