@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cas
+from cas.model.state import buffer_over, tensor_from_bytes
 from cas.repo.config import StoreConfig
 
 BIG = [">f2", ">f4", ">f8", ">i2", ">i4", ">i8", ">u2", ">u4", ">c8", ">c16"]
@@ -65,3 +66,15 @@ def test_the_same_values_in_either_byte_order_share_their_chunks(repo: cas.Repos
         {c.digest for t in repo.manifest(r).tensors for c in t.chunks} for r in ("little", "big")
     ]
     assert chunks[0] == chunks[1]
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">i8", ">c16"])
+def test_an_entry_that_records_a_big_endian_dtype_loads_swapped_into_the_hosts_order(
+    dtype: str,
+) -> None:
+    # cas writes little-endian entries only; one another tool wrote with its bytes big-endian
+    # must still come back with its values, in an order torch takes.
+    array = _values(dtype, 64)
+    loaded = tensor_from_bytes("numpy", dtype, array.shape, buffer_over(bytearray(array.tobytes())))
+    assert loaded.dtype.isnative and np.array_equal(loaded, array)
+    assert torch.from_numpy(loaded).shape == array.shape
