@@ -15,7 +15,8 @@ The layers (docs/gc.md, "Safety", "Writer leases", "The maintenance lock"):
 - the window's expiry: GC deletes nothing once its window ran out (writers stop waiting for it);
 - fences: GC fences the refs an expired lease declared, so a writer paused between its lease
   check and its ref write cannot publish;
-- the writer's own lease checks: when it declares a ref, and right before it writes or deletes one;
+- the writer's own lease checks: before it stores its manifest, when it declares a ref, and
+  right before it writes or deletes one;
 - the maintenance lock: one GC at a time.
 """
 
@@ -330,6 +331,21 @@ def test_the_lease_check_when_declaring_alone_keeps_a_reaped_lease_gone() -> Non
             "a lapsed writer declared its ref: its lease came back after GC reaped it"
         )
     assert refs.try_get("runs/r/latest") is None
+
+
+def test_the_lease_check_before_the_manifest_alone_keeps_a_lapsed_writers_manifest_out() -> None:
+    clock = FakeClock(T0)
+    repo = repo_over(MemoryBlobStore(clock), clock, leases={"duration": 600, "margin": 60})
+    with repo.lease("slow writer"):
+        tree, sources = encode_state(state(1))
+        entries, _ = repo.write_tensors(sources)
+        clock.advance(600 + 61)
+        repo.plan_gc(NO_GRACE).execute()  # the lease expired: its chunks are collected
+        manifest = Manifest("state", tuple(entries), tree, created_at=clock())
+        with pytest.raises(LeaseExpired):
+            repo.commit(manifest, "runs/r/late")
+    # A manifest naming collected chunks would pass for a recent write and keep nothing whole.
+    assert list(repo.blobs.list("manifests/")) == []
 
 
 # -- the window's expiry and the maintenance lock ------------------------------------------------
