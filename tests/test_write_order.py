@@ -1,5 +1,5 @@
-"""Invariant 1 watched call by call: a save makes its chunks durable, then its manifest, then moves
-its ref.
+"""Invariant 1 watched call by call: a save (and a push, at its destination) makes its chunks
+durable, then its manifest, then moves its ref.
 
 A crash test only sees the order when the kill lands in the one gap a bug opens; here the order
 itself is recorded. ``RecordingBlobStore`` writes down every write and ``sync`` a save sends to
@@ -139,3 +139,20 @@ def test_on_disk_the_manifest_and_chunks_are_fsynced_before_the_refs_rename(
                 syscalls.durable_at(chunk, ref_at)
         assert ("fsync", str(Path(ref_path).parent), "") in syscalls.events[ref_at:]
     repo.close()
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_a_push_makes_its_chunks_then_its_manifest_durable_before_the_remote_ref_moves(
+    tmp_path: Path, request: pytest.FixtureRequest, where: str
+) -> None:
+    source = cas.open(tmp_path / "source", config=StoreConfig(chunk_size=8192, inline_max=64))
+    remote = _open(where, tmp_path, request)
+    recorder = remote.blobs
+    assert isinstance(recorder, RecordingBlobStore)
+    for step in range(2):
+        source.save(_state(step), REF)
+        start = len(recorder.history())
+        source.push(remote, [REF])
+        _assert_save_order(recorder.history()[start:], remote)
+    source.close()
+    remote.close()
