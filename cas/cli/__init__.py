@@ -10,6 +10,7 @@ from cas.cli import retention as _retention  # noqa: F401  (forget, policy)
 from cas.cli import shell as _shell  # noqa: F401  (completion)
 from cas.cli import status as _status  # noqa: F401  (status)
 from cas.cli import sync as _sync  # noqa: F401  (push, pull, archive)
+from cas.cli import ui as _ui  # noqa: F401  (ui)
 from cas.cli.app import cli, main
 
 __all__ = ["cli", "main"]

@@ -26,10 +26,12 @@ from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
 from cas.retention.policy import RETENTION_SECTION, RetentionPolicy, protection_of
 from cas.retention.repair import RepairReport, repair
 from cas.retention.space import (
+    GroupUsage,
     StoreStats,
     Usage,
     UsageReport,
     disk_usage,
+    group_usage,
     manifest_usage,
     store_stats,
     stored_bytes,
@@ -201,6 +203,11 @@ class HousekeepingOperations:
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
         return disk_usage(self.stores, selector)
+
+    def usage_by_group(self, group_of: Callable[[str], str | None]) -> list[GroupUsage]:
+        """Logical, stored and exclusive bytes per group of refs (``group_of`` names a ref's
+        group, e.g. its run): what each run holds alone."""
+        return group_usage(self.stores, group_of)
 
     def store_stats(self) -> StoreStats:
         """Object counts, and how much dedup and compression save."""
