@@ -193,12 +193,16 @@ class HousekeepingOperations:
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
 
-    def status(self, *, clock: Callable[[], float] | None = None) -> StoreStatus:
+    def status(self, *, clock: Callable[[], float] | None = None, lock: bool = True) -> StoreStatus:
         """The retention report ``cas status`` prints: usage against the stored budget,
         protected refs, oldest and newest checkpoint, each run's latest and best, pending GC
         and quarantine (``cas.retention.status``). Takes the maintenance lock briefly, as
-        ``cas gc --dry-run`` does; changes nothing."""
-        return store_status(self.stores, self.retention_policy(), self.gc_settings(), clock=clock)
+        ``cas gc --dry-run`` does; changes nothing. ``lock=False`` writes nothing at all (a
+        read-only view such as ``cas ui``), at the price of a GC figure that a concurrent
+        ``cas gc`` may be changing."""
+        return store_status(
+            self.stores, self.retention_policy(), self.gc_settings(), clock=clock, lock=lock
+        )
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""

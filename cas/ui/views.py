@@ -334,7 +334,7 @@ def storage(repo: Repository) -> dict[str, Any]:
     per_run = repo.usage_by_group(lambda name: run_of(name, runs))
     usage = repo.disk_usage()
     try:
-        status = repo.status()
+        status = repo.status(lock=False)
     except (
         CASError
     ) as e:  # e.g. GC's plan refuses a store with a damaged ref: say so, show the rest
