@@ -56,6 +56,7 @@ def server(store: Path) -> Iterator[UIServer]:
     repo = cas.open(str(store), readonly=True)
     ui = UIServer(repo, label=str(store))
     ui.start()
+    ui.warm()
     yield ui
     ui.shutdown()
     repo.close()

@@ -49,6 +49,7 @@ def ui(obj: Context, port: int, host: str) -> None:
     except OSError as e:
         repo.close()
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    server.warm()
     click.echo(f"cas ui: {repo.url} at {server.url}", err=False)
     click.echo("(read-only; Ctrl-C stops it)", err=True)
     try:

@@ -26,12 +26,11 @@ from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
 from cas.retention.policy import RETENTION_SECTION, RetentionPolicy, protection_of
 from cas.retention.repair import RepairReport, repair
 from cas.retention.space import (
-    GroupUsage,
     StoreStats,
     Usage,
+    UsageIndex,
     UsageReport,
     disk_usage,
-    group_usage,
     manifest_usage,
     store_stats,
     stored_bytes,
@@ -208,10 +207,10 @@ class HousekeepingOperations:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
         return disk_usage(self.stores, selector)
 
-    def usage_by_group(self, group_of: Callable[[str], str | None]) -> list[GroupUsage]:
-        """Logical, stored and exclusive bytes per group of refs (``group_of`` names a ref's
-        group, e.g. its run): what each run holds alone."""
-        return group_usage(self.stores, group_of)
+    def usage_index(self) -> UsageIndex:
+        """Every readable ref's objects and their counts, read once, for many usage questions
+        (each run's own bytes, a checkpoint's exclusive bytes): ``cas.retention.space``."""
+        return UsageIndex(self.stores)
 
     def store_stats(self) -> StoreStats:
         """Object counts, and how much dedup and compression save."""

@@ -313,7 +313,7 @@ def retention_page(data: dict[str, Any]) -> str:
                 escape(size(d.get("bytes"))),
             ]
         )
-    warnings = "".join(f'<p class="bad">{escape(w)}</p>' for w in data["warnings"])
+    warnings = "".join(f'<p class="bad">{escape(w)}</p>' for w in data["warnings"]) + _as_of(data)
     policy = f"<details><summary>Policy</summary><pre>{escape(json.dumps(data['policy'], indent=2))}</pre></details>"
     return (
         summary
@@ -382,6 +382,14 @@ def pools_page(data: dict[str, Any]) -> str:
                 )
             )
     return "".join(parts)
+
+
+def _as_of(data: dict[str, Any]) -> str:
+    """When the whole-store snapshot a page shows was computed."""
+    if not data.get("as_of"):
+        return ""
+    age = max(0.0, time.time() - data["as_of"])
+    return f'<p class="as-of">As of {escape(when(data["as_of"]))} ({age:.0f} s ago; refreshed every 30 s).</p>'
 
 
 def _num(value: Any) -> str:

@@ -30,6 +30,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 from cas.errors import CASError, NotFound
 from cas.ui import pages, views
+from cas.ui.snapshots import Snapshots
 
 if TYPE_CHECKING:
     from cas.repo.repository import Repository
@@ -51,7 +52,7 @@ STATIC = {"/static/style.css": "text/css; charset=utf-8"}
 class Route:
     """A view: the data it shows (from the query), how that renders, and the page's title."""
 
-    data: Callable[[Repository, dict[str, str]], dict[str, Any]]
+    data: Callable[[Repository, Snapshots, dict[str, str]], dict[str, Any]]
     render: Callable[[dict[str, Any]], str]
     title: Callable[[dict[str, str]], str]
 
@@ -71,22 +72,24 @@ def _required(query: dict[str, str], name: str) -> str:
 
 
 ROUTES: dict[str, Route] = {
-    "/": Route(lambda r, q: views.runs_index(r, _page(q)), pages.runs_page, lambda q: "Runs"),
+    "/": Route(lambda r, s, q: views.runs_index(r, s, _page(q)), pages.runs_page, lambda q: "Runs"),
     "/run": Route(
-        lambda r, q: views.run_detail(r, _required(q, "name"), _page(q)),
+        lambda r, s, q: views.run_detail(r, _required(q, "name"), _page(q)),
         pages.run_page,
         lambda q: f"Run {q.get('name', '')}",
     ),
     "/checkpoint": Route(
-        lambda r, q: views.checkpoint_detail(r, _required(q, "ref"), _page(q)),
+        lambda r, s, q: views.checkpoint_detail(r, _required(q, "ref"), s, _page(q)),
         pages.checkpoint_page,
         lambda q: q.get("ref", "Checkpoint"),
     ),
-    "/storage": Route(lambda r, q: views.storage(r), pages.storage_page, lambda q: "Storage"),
+    "/storage": Route(lambda r, s, q: views.storage(r, s), pages.storage_page, lambda q: "Storage"),
     "/retention": Route(
-        lambda r, q: views.retention(r, _page(q)), pages.retention_page, lambda q: "Retention"
+        lambda r, s, q: views.retention(r, s, _page(q)), pages.retention_page, lambda q: "Retention"
     ),
-    "/pools": Route(lambda r, q: views.pools(r), pages.pools_page, lambda q: "Opponent pools"),
+    "/pools": Route(
+        lambda r, s, q: views.pools(r, s), pages.pools_page, lambda q: "Opponent pools"
+    ),
 }
 
 
@@ -107,8 +110,7 @@ class UIServer:
         self.label = label
         self.token = token or secrets.token_urlsafe(24)
         self.log = log
-        self.lock = threading.Lock()
-        """One view at a time: the repository's caches are shared."""
+        self.snapshots = Snapshots()
         self.httpd = ThreadingHTTPServer((host, port), _handler_for(self))
         self.httpd.daemon_threads = True
         self.host = host
@@ -128,6 +130,15 @@ class UIServer:
     def serve_forever(self) -> None:
         """Answer requests until ``shutdown`` (or Ctrl-C in the caller)."""
         self.httpd.serve_forever(poll_interval=0.2)
+
+    def warm(self) -> threading.Thread:
+        """Compute the whole-store snapshots in the background, so the first visit to the
+        storage and retention pages finds them ready."""
+        thread = threading.Thread(
+            target=views.warm, args=(self.repo, self.snapshots), name="cas-ui-warm", daemon=True
+        )
+        thread.start()
+        return thread
 
     def start(self) -> threading.Thread:
         """Serve on a daemon thread (tests, embedding)."""
@@ -220,8 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.NOT_FOUND, f"no page {parts.path}", wants_json, head)
             return
         try:
-            with self.ui.lock:
-                data = route.data(self.ui.repo, query)
+            data = route.data(self.ui.repo, self.ui.snapshots, query)
         except NotFound as e:
             self._error(HTTPStatus.NOT_FOUND, str(e), wants_json, head)
             return

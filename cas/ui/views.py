@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cas.errors import CASError, NotFound
-from cas.retention.status import is_pointer
+from cas.ui.snapshots import Snapshots
 
 if TYPE_CHECKING:
     from cas.repo.repository import Repository
@@ -110,19 +110,21 @@ def kind_of(name: str) -> str:
     for pointer in ("latest", "best", "history"):
         if name == pointer or name.endswith(f"/{pointer}"):
             return pointer
-    return "pointer" if is_pointer(name) else "checkpoint"
+    return "checkpoint"
 
 
-def _meta_summary(repo: Repository, ref: str) -> dict[str, Any]:
-    """Step, status, metrics and time of the checkpoint ``ref`` names; ``error`` if unreadable."""
+def _meta_summary(repo: Repository, ref: str, target: str | None = None) -> dict[str, Any]:
+    """Step, status, metrics and time of the checkpoint ``ref`` names (``target``: its manifest,
+    when the caller read the record already); ``error`` if unreadable."""
     try:
-        manifest = repo.manifest(ref)
+        digest = target or repo.resolve(ref)
+        manifest = repo.manifest(digest)
     except CASError as e:
         return {"ref": ref, "error": str(e)}
     meta = manifest.meta
     return {
         "ref": ref,
-        "manifest": repo.resolve(ref),
+        "manifest": digest,
         "step": meta.get("step"),
         "phase": meta.get("phase"),
         "status": meta.get("status"),
@@ -132,11 +134,29 @@ def _meta_summary(repo: Repository, ref: str) -> dict[str, Any]:
     }
 
 
-def runs_index(repo: Repository, page: int = 1) -> dict[str, Any]:
+NAMES_MAX_AGE = 5.0
+"""Seconds the list of ref names is served before it is listed again (a new run shows up
+within this, and one refresh)."""
+
+Names = tuple[list[str], list[str], dict[str, list[str]]]
+
+
+def _names(repo: Repository, snapshots: Snapshots) -> Names:
+    """Every ref name, the runs among them and each run's names, listed at most every
+    ``NAMES_MAX_AGE`` seconds."""
+
+    def listing() -> Names:
+        names = [str(n) for n in repo.ref_names()]
+        runs = find_runs(names)
+        return names, runs, group_by_run(names, runs)
+
+    value: Names = snapshots.get("names", listing, max_age=NAMES_MAX_AGE).value
+    return value
+
+
+def runs_index(repo: Repository, snapshots: Snapshots, page: int = 1) -> dict[str, Any]:
     """Every run, a page at a time: its latest checkpoint, status and checkpoint count."""
-    names = [str(n) for n in repo.ref_names()]
-    runs = find_runs(names)
-    grouped = group_by_run(names, runs)
+    names, runs, grouped = _names(repo, snapshots)
     at = Page.of(page, RUNS_PER_PAGE, len(runs))
     rows = []
     for run in at.take(runs):
@@ -192,10 +212,11 @@ def run_detail(repo: Repository, run: str, page: int = 1) -> dict[str, Any]:
     at = Page.of(page, CHECKPOINTS_PER_PAGE, len(checkpoints))
     rows = []
     for name in at.take(checkpoints):
-        row = _meta_summary(repo, name)
+        row = _meta_summary(repo, name, targets[name])
         row["marks"] = marks.get(targets[name], [])
         rows.append(row)
-    latest = _meta_summary(repo, f"{run}/latest") if f"{run}/latest" in targets else {}
+    latest_ref = f"{run}/latest"
+    latest = _meta_summary(repo, latest_ref, targets[latest_ref]) if latest_ref in targets else {}
     return {
         "run": run,
         "status": run_state(latest),
@@ -284,17 +305,20 @@ def _events(
     return out
 
 
-def checkpoint_detail(repo: Repository, ref: str, page: int = 1) -> dict[str, Any]:
-    """One checkpoint: tensors (a page at a time), metadata, lineage and its bytes."""
+def checkpoint_detail(
+    repo: Repository, ref: str, snapshots: Snapshots, page: int = 1
+) -> dict[str, Any]:
+    """One checkpoint: tensors (a page at a time), metadata, lineage and its bytes (exclusive
+    bytes from the store's usage snapshot)."""
     shown = repo.show(ref)
     tensors = shown.pop("tensors")
     at = Page.of(page, TENSORS_PER_PAGE, len(tensors))
-    usage = repo.disk_usage(ref)
-    names = [str(n) for n in repo.ref_names()]
-    run = run_of(ref, set(find_runs(names)))
+    index = snapshots.get("index", repo.usage_index)
+    run = run_of(ref, set(find_runs(index.value.by_name)))
     shown["tensors"] = list(at.take(tensors))
     shown["tensor_page"] = at.to_dict()
-    shown["exclusive_bytes"] = usage.exclusive_bytes
+    shown["exclusive_bytes"] = index.value.exclusive(ref)
+    shown["as_of"] = index.computed_at
     shown["lineage"] = _lineage(repo, ref, shown, run)
     shown["run"] = run
     return shown
@@ -326,30 +350,36 @@ def _lineage(repo: Repository, ref: str, shown: dict[str, Any], run: str | None)
     }
 
 
-def storage(repo: Repository) -> dict[str, Any]:
-    """Usage against the budget, dedup savings, each run's own bytes, what GC frees now."""
+def storage(repo: Repository, snapshots: Snapshots) -> dict[str, Any]:
+    """Usage against the budget, dedup savings, each run's own bytes, what GC frees now: one
+    snapshot of the store (``as_of`` says when it was computed)."""
+    snapshot = snapshots.get("storage", lambda: _storage(repo, snapshots))
+    return {**snapshot.value, "as_of": snapshot.computed_at}
+
+
+def _storage(repo: Repository, snapshots: Snapshots) -> dict[str, Any]:
+    index = snapshots.get("index", repo.usage_index).value
     stats = repo.store_stats()
-    names = [str(n) for n in repo.ref_names()]
-    runs = set(find_runs(names))
-    per_run = repo.usage_by_group(lambda name: run_of(name, runs))
-    usage = repo.disk_usage()
-    try:
-        status = repo.status(lock=False)
-    except (
-        CASError
-    ) as e:  # e.g. GC's plan refuses a store with a damaged ref: say so, show the rest
-        return {
-            **_storage_facts(stats, usage.stored_bytes, per_run),
-            "stored_bytes": stats.manifest_bytes + stats.chunk_bytes,
-            "budget": 0,
-            "usage_pct": None,
-            "gc": None,
-            "quarantine": {"objects": stats.quarantined_objects, "bytes": stats.quarantined_bytes},
-            "damaged_refs": [d.ref for d in usage.damaged],
-            "error": str(e),
-        }
+    status = _status_or_error(repo)
+    runs = set(find_runs(index.by_name))
+    per_run = index.groups(lambda name: run_of(name, runs))
+    out: dict[str, Any] = {
+        "referenced_bytes": index.referenced_bytes,
+        "logical_bytes": stats.logical_bytes,
+        "unique_bytes": stats.unique_bytes,
+        "reachable_stored_bytes": stats.reachable_stored_bytes,
+        "dedup_ratio": stats.dedup_ratio,
+        "saved_bytes": max(0, stats.logical_bytes - stats.reachable_stored_bytes),
+        "runs": [u.to_dict() for u in per_run],
+        "damaged_refs": [d.ref for d in index.damaged],
+        "quarantine": {"objects": stats.quarantined_objects, "bytes": stats.quarantined_bytes},
+    }
+    if isinstance(status, str):  # e.g. GC's plan refuses while a ref is damaged
+        stored = stats.manifest_bytes + stats.chunk_bytes
+        return {**out, "stored_bytes": stored, "budget": 0, "usage_pct": None, "gc": None,
+                "error": status}  # fmt: skip
     return {
-        **_storage_facts(stats, usage.stored_bytes, per_run),
+        **out,
         "stored_bytes": status.stored_bytes,
         "budget": status.budget,
         "usage_pct": status.usage_pct,
@@ -358,41 +388,28 @@ def storage(repo: Repository) -> dict[str, Any]:
             "waiting_bytes": status.gc_waiting_bytes,
             "waiting_until": status.gc_waiting_until,
         },
-        "quarantine": {"objects": status.quarantined_objects, "bytes": status.quarantined_bytes},
-        "damaged_refs": list(status.damaged_refs),
     }
 
 
-def _storage_facts(stats: Any, referenced: int, per_run: Sequence[Any]) -> dict[str, Any]:
-    """What the storage page shows whether or not GC could plan: referenced bytes (what
-    ``cas du`` counts), dedup savings and each run's bytes."""
-    return {
-        "referenced_bytes": referenced,
-        "logical_bytes": stats.logical_bytes,
-        "unique_bytes": stats.unique_bytes,
-        "reachable_stored_bytes": stats.reachable_stored_bytes,
-        "dedup_ratio": stats.dedup_ratio,
-        "saved_bytes": max(0, stats.logical_bytes - stats.reachable_stored_bytes),
-        "runs": [u.to_dict() for u in per_run],
-    }
+def _status_or_error(repo: Repository) -> Any:
+    """``cas status``'s report without taking the lock, or why it cannot be made."""
+    try:
+        return repo.status(lock=False)
+    except CASError as e:
+        return str(e)
 
 
-def retention(repo: Repository, page: int = 1) -> dict[str, Any]:
+def retention(repo: Repository, snapshots: Snapshots, page: int = 1) -> dict[str, Any]:
     """The stored policy's plan as a timeline: each ref kept, protected (by which rule) or to
     be forgotten. Nothing is deleted; ``cas forget --dry-run`` prints the same plan."""
-    policy = repo.retention_policy()
-    if policy is None:
+    snapshot = snapshots.get("plan", lambda: _plan(repo))
+    if snapshot.value is None:
         return {"policy": None, "decisions": [], **Page.of(1, PLAN_ROWS_PER_PAGE, 0).to_dict()}
-    plan = repo.plan_forget(policy)
-    plain = plan.to_dict()
-    rows = sorted(
-        [{**d, "keep": True} for d in plain["keep"]]
-        + [{**d, "keep": False} for d in plain["drop"]],
-        key=lambda d: (d.get("time") or 0, d["ref"]),
-    )
+    policy, plain, rows = snapshot.value
     at = Page.of(page, PLAN_ROWS_PER_PAGE, len(rows))
     return {
-        "policy": policy.to_dict(),
+        "as_of": snapshot.computed_at,
+        "policy": policy,
         "now": plain["now"],
         "bytes_before": plain["bytes_before"],
         "bytes_after": plain["bytes_after"],
@@ -406,11 +423,42 @@ def retention(repo: Repository, page: int = 1) -> dict[str, Any]:
     }
 
 
-def pools(repo: Repository) -> dict[str, Any]:
+def _plan(
+    repo: Repository,
+) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]] | None:
+    """The stored policy, its plan as plain data, and the plan's rows in time order (None
+    without a stored policy)."""
+    policy = repo.retention_policy()
+    if policy is None:
+        return None
+    plain = repo.plan_forget(policy).to_dict()
+    rows = sorted(
+        [{**d, "keep": True} for d in plain["keep"]]
+        + [{**d, "keep": False} for d in plain["drop"]],
+        key=lambda d: (d.get("time") or 0, d["ref"]),
+    )
+    return policy.to_dict(), plain, rows
+
+
+def warm(repo: Repository, snapshots: Snapshots) -> None:
+    """Compute every whole-store snapshot once, one after the other (a server's first act)."""
+    _names(repo, snapshots)
+    for name, compute in (
+        ("index", repo.usage_index),
+        ("storage", lambda: _storage(repo, snapshots)),
+        ("plan", lambda: _plan(repo)),
+    ):
+        try:
+            snapshots.get(name, compute)
+        except CASError:
+            continue  # the page that needs it computes it again and says what is wrong
+
+
+def pools(repo: Repository, snapshots: Snapshots) -> dict[str, Any]:
     """Every opponent pool: its versions with ratings and anchors, and its eviction log."""
     from cas.training.pool import OpponentPool
 
-    names = [str(n) for n in repo.ref_names()]
+    names, _, _ = _names(repo, snapshots)
     prefixes = sorted({n.split(POOL_MARK)[0] + POOL_MARK for n in names if POOL_MARK in n})
     out = []
     for prefix in prefixes:
