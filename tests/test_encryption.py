@@ -246,3 +246,35 @@ def test_a_store_created_append_only_opens_every_handle_so(tmp_path: Path) -> No
     )  # fmt: skip
     assert refused.returncode != 0 and "append-only" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_gc_verify_retention_the_manager_and_cas_urls_work_on_an_encrypted_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsspec
+    import torch
+
+    from cas.retention.gc import GCSettings
+    from cas.retention.policy import RetentionPolicy, Rule
+    from cas.training.manager import CheckpointManager
+
+    monkeypatch.setenv("CAS_KEY", PASSPHRASE)
+    repo = cas.open(tmp_path / "s")
+    model = torch.nn.Linear(64, 64)
+    with CheckpointManager(
+        repo, run="runs/r1", every_n_steps=1, signals=False, async_save=False
+    ) as mgr:
+        for step in range(1, 4):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.step_end(step, {"model": model.state_dict()}, metrics={"loss": 1.0 / step})
+    with CheckpointManager(repo, run="runs/r1", signals=False, async_save=False) as again:
+        restored = again.restore("auto")
+    assert restored.step == 3
+    assert torch.equal(restored.state["model"]["weight"], model.weight)
+    repo.forget(RetentionPolicy(rules=(Rule(select="runs/r1/phase*/ckpt_*", keep_last=1),)))
+    freed = repo.plan_gc(GCSettings(grace=0, reflog_window=0)).execute()
+    assert freed.deleted_chunks > 0
+    assert repo.verify(level="full").ok
+    with fsspec.open("cas://runs/r1/latest/manifest.json", "rb", store=str(tmp_path / "s")) as f:
+        assert f.read()
