@@ -134,6 +134,7 @@ class HousekeepingOperations:
 
         Chunks are freed by GC afterwards; ``CheckpointManager`` calls this after each save.
         """
+        self.stores.check_deletes("forget")
         policy = policy or self._stored_policy()
         self.take_snapshots(policy, now=now)
         return self.plan_forget(policy, now=now).execute()

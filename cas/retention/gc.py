@@ -187,6 +187,7 @@ class GCPlan:
         Each object is checked once more right before it goes: one modified after the plan's
         cutoff (a writer reused it meanwhile) is spared.
         """
+        self.stores.check_deletes("gc")
         with self.stores.maintenance.lock("gc", enabled=lock):
             plan = self
             for _ in range(REPLANS):
