@@ -378,16 +378,30 @@ def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_
 @json_option
 @pass_ctx
 def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
-    """Delete refs. Their chunks stay until `cas gc` finds them unreferenced."""
+    """Delete refs. Their chunks stay until `cas gc` finds them unreferenced.
+
+    A ref whose record cannot be read is removed all the same (its manifest: null).
+    """
+    from cas.errors import FormatError
+
     repo = obj.open(create=False)
+    unreadable = set()
     for ref in refs:  # a typo in one name removes none of them
-        repo.resolve(ref)
-    removed = [{"ref": r, "manifest": repo.rm(r)} for r in refs]
+        try:
+            repo.resolve(ref)
+        except FormatError:
+            unreadable.add(ref)
+    removed = [
+        {"ref": r, "manifest": None if r in unreadable else repo.rm(r)}
+        for r in refs
+        if r not in unreadable or repo.rm_damaged(r)
+    ]
     if as_json:
         emit_json(removed)
     else:
         for row in removed:
-            click.echo(f"removed {row['ref']} (was {row['manifest'][:16]})")
+            was = row["manifest"][:16] if row["manifest"] else "an unreadable record"
+            click.echo(f"removed {row['ref']} (was {was})")
 
 
 @cli.command()

@@ -183,6 +183,11 @@ class RefStore:
             raise FormatError(f"ref blob {key!r} holds the record of another ref, {record.name!r}")
         return self._remember(record)
 
+    def forget_decoded(self) -> None:
+        """Drop the records kept for reuse: a record was changed or removed beside ``update``."""
+        self._decoded.clear()
+        self._changed()
+
     def _get_legacy(self, ref: RefName) -> RefRecord | None:
         """A long name's record where an older cas stored it, or None."""
         key = legacy_key(ref)
