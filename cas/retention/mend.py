@@ -135,8 +135,10 @@ def _readable(stores: Stores, digest: Digest) -> bool:
 def _salvaged_target(stores: Stores, data: bytes) -> tuple[Digest | None, str]:
     """The checkpoint a damaged record's bytes still name, and where it came from."""
     segments = []
-    for digest in damage.salvage_digests(data):
-        if not stores.objects.has(ObjectKind.MANIFEST, digest):
+    salvaged = damage.salvage_digests(data)
+    stored = stores.objects.has_many(ObjectKind.MANIFEST, salvaged) if salvaged else {}
+    for digest in salvaged:
+        if not stored[digest]:
             continue
         try:
             meta = decode_manifest(stores.objects.get_manifest(digest)).meta

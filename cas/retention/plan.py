@@ -59,6 +59,8 @@ class ForgetResult:
     skipped: tuple[tuple[str, str], ...]
     """``(ref, why)`` for refs not removed: moved since the plan, or already gone."""
     logged: int
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class ForgetPlan:
                     skipped.append((d.ref, "moved since the plan"))
                 except NotFound:
                     skipped.append((d.ref, "already gone"))
-        return ForgetResult(tuple(removed), tuple(skipped), logged)
+        return ForgetResult(tuple(removed), tuple(skipped), logged, self.damaged)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""

@@ -73,6 +73,9 @@ class RunStatus:
     damaged: tuple[str, ...] = ()
     """The run's refs that cannot be used (record or manifest damaged): retention keeps them
     out of its count and never removes them; ``cas repair`` or ``cas rm`` clears them."""
+    retention: str | None = None
+    """Why the run's own retention policy fell behind, as its newest checkpoint records it
+    (``CheckpointManager``: an error, or damaged refs kept), or None."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
@@ -82,6 +85,7 @@ class RunStatus:
             "best": [{"pointer": p, **c.to_dict()} for p, c in self.best],
             "gates": self.gates,
             "damaged": list(self.damaged),
+            "retention": self.retention,
         }
 
 
@@ -188,6 +192,8 @@ class StoreStatus:
             lines.extend(f"  best {pointer}: {c.describe()}" for pointer, c in run.best)
             if run.gates:
                 lines.append(f"  gates: {run.gates}")
+            if run.retention:
+                lines.append(f"  retention behind: {run.retention}")
             if run.damaged:
                 lines.append(
                     f"  retention keeps {len(run.damaged)} damaged refs out of its count: "
@@ -320,8 +326,22 @@ def _runs(by_name: dict[str, RefContent], damaged: list[str]) -> tuple[RunStatus
         )
         gates = sum(1 for n in inside if ref_matches(n, "**/gates/**"))
         hurt = tuple(n for n in damaged if n.startswith(run + "/"))
-        runs.append(RunStatus(run, _pointee(by_name[name], by_name), best, gates, hurt))
+        note = _retention_note(by_name[name].meta.get("retention"))
+        runs.append(RunStatus(run, _pointee(by_name[name], by_name), best, gates, hurt, note))
     return tuple(runs)
+
+
+def _retention_note(note: Any) -> str | None:
+    """The line for a checkpoint's ``retention`` meta (``cas.training.saves.retention_note``)."""
+    if not isinstance(note, dict):
+        return None
+    step = note.get("after_step")
+    if note.get("error"):
+        return f"retention did not run after step {step}: {note['error']}"
+    damaged = note.get("damaged") or []
+    return f"retention after step {step} kept {len(damaged)} damaged refs: " + ", ".join(
+        str(d) for d in damaged
+    )
 
 
 def _when(ts: float) -> str:
