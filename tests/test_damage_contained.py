@@ -25,6 +25,7 @@ from cas.objects.keys import ObjectKind
 from cas.objects.store import manifest_key
 from cas.refs.damage import DAMAGED_PREFIX
 from cas.refs.keys import ref_key
+from cas.repo.repository import Repository
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
 
@@ -62,7 +63,7 @@ class Store:
         assert result.exit_code in (0, 1), result.output
         return json.loads(result.stdout)
 
-    def repo(self) -> cas.Repository:
+    def repo(self) -> Repository:
         return cas.open(self.url)
 
     def record_key(self, ref: str) -> str:
