@@ -127,6 +127,10 @@ def test_status_ls_log_and_gc_answer_around_the_damage(store: Store) -> None:
     report = store.json("status")
     assert [d["ref"] for d in report["damage"]] == ["runs/c1", "runs/c2", "runs/c5"]
     assert report["refs"] == 4 and not report["gc"]["held"]  # c2's bytes still name its target
+    verify = store.json("verify")
+    assert not verify["ok"] and ["runs/c5", "bad-history"] in [
+        [p["ref"], p["kind"]] for p in verify["problems"]
+    ]
     log = store.cas("log", "runs/c5")
     assert log.exit_code == 0 and len(log.stdout.splitlines()) == 1
     assert "not-hex" in log.stderr
