@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import cas
+import cas.refs.store as refs_mod
 from cas.cli import cli
 from cas.digest import Digest, digest_of
 from cas.model.manifest import decode_manifest
@@ -258,3 +259,27 @@ def test_a_run_keeps_three_healthy_checkpoints_around_a_damaged_one_and_says_so(
     status = CliRunner().invoke(cli, ["--store", str(tmp_path / "store"), "status"])
     assert status.exit_code == 0
     assert f"retention keeps 1 damaged refs out of its count: {ckpt(2)}" in status.stdout
+
+
+def test_a_record_whose_target_is_lost_is_rebuilt_from_its_history_segments(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(refs_mod, "INLINE_HISTORY", 8)
+    monkeypatch.setattr(refs_mod, "SEAL_EVENTS", 4)
+    store = Store(str(tmp_path / "store"))
+    repo = store.repo()
+    for seed in range(12):
+        repo.save(weights(seed), "runs/r/latest")
+    record = repo.find_ref("runs/r/latest")
+    assert record is not None and len(record.sealed) == 1  # seeds 0-3 sealed, 4-11 inline
+    doc = msgpack.unpackb(repo.blobs.get(store.record_key("runs/r/latest")))
+    doc["target"] = "lost"
+    for event in doc["history"]:
+        event[0] = "lost"  # nothing but the sealed segment still names a checkpoint
+    repo.blobs.put(store.record_key("runs/r/latest"), msgpack.packb(doc))
+    plan = store.json("gc", "--dry-run", *NOW)["plan"]
+    assert plan["held"] and plan["delete_chunks"] == 0  # its current target is unknown
+    fixes = store.json("repair")["fixes"]
+    assert [(f["ref"], f["action"]) for f in fixes] == [("runs/r/latest", "rebuilt")]
+    assert "history segments" in fixes[0]["detail"]
+    np.testing.assert_array_equal(repo.load("runs/r/latest")["w"], weights(3)["w"])

@@ -4,8 +4,9 @@ Every housekeeping command proceeds around a damaged ref record, manifest or his
 names it (docs/gc.md, "Damage"). For GC the question is what the damage might still reach:
 
 - An unreadable ref record keeps every stored manifest its bytes still name
-  (``cas.refs.damage.salvage_digests``), with their chunks, as if the ref named them. When its
-  bytes name none, what it protects cannot be known: the run deletes nothing (``holds``).
+  (``cas.refs.damage.salvage_digests``), with their chunks, as if the ref named them, and the
+  targets of the history segments among them. When its bytes name no checkpoint manifest (only
+  history, or nothing), its current target cannot be known: the run deletes nothing (``holds``).
 - An unreadable inline history entry keeps the manifests its bytes still name, and nothing else:
   history keeps checkpoints only for the reflog window, and an entry that spells no digest names
   no object (an object's name is its digest).
@@ -24,10 +25,12 @@ from typing import Any
 import msgpack
 
 from cas.digest import Digest
+from cas.errors import CASError
+from cas.model.manifest import decode_manifest
 from cas.objects.keys import ObjectKind
 from cas.refs.damage import read_raw, salvage_digests
-from cas.refs.records import RefRecord
-from cas.refs.store import ScannedRef
+from cas.refs.records import RefRecord, unpack_events
+from cas.refs.store import REFLOG_MARK, ScannedRef
 from cas.refs.stores import Stores
 
 
@@ -62,16 +65,45 @@ def _stored(stores: Stores, digests: list[Digest]) -> list[Digest]:
     return [d for d in digests if present[d]]
 
 
+def _segment_targets(stores: Stores, digest: Digest) -> list[Digest] | None:
+    """The targets a history segment's events name; None when the manifest is no segment (or
+    cannot be read: then GC's marking reports it)."""
+    try:
+        meta = decode_manifest(stores.objects.get_manifest(digest)).meta
+    except CASError:
+        return None
+    if meta.get(REFLOG_MARK) != 1:
+        return None
+    try:
+        return [e.target for e in unpack_events(meta.get("events", ()))]
+    except Exception:
+        return []
+
+
 def unreadable_ref_roots(stores: Stores, scanned: ScannedRef) -> tuple[list[Digest], Damage]:
-    """The stored manifests a ref record that cannot be decoded still names, and the report."""
+    """The stored manifests a ref record that cannot be decoded still names (and those its
+    history segments name), and the report. Its current target is known to be kept only when
+    a checkpoint manifest, not just history, is among them."""
     raw = read_raw(stores.refs, scanned.key)
     found = _stored(stores, salvage_digests(raw.data)) if raw is not None else []
     problem = f"ref record cannot be read: {_first_line(scanned.error)}"
-    if found:
+    checkpoints = []
+    for digest in list(found):
+        targets = _segment_targets(stores, digest)
+        if targets is None:
+            checkpoints.append(digest)
+        else:
+            found.extend(d for d in _stored(stores, targets) if d not in found)
+    if checkpoints:
         kept = f"kept the {len(found)} manifests its bytes still name"
         return found, Damage(scanned.label, problem, kept)
-    kept = "its bytes name no stored manifest, so gc deletes nothing (`cas repair` or `cas rm`)"
-    return [], Damage(scanned.label, problem, kept, holds=True)
+    kept = (
+        f"kept the {len(found)} manifests its history names, but its bytes name no checkpoint, "
+        "so gc deletes nothing (`cas repair` or `cas rm`)"
+        if found
+        else "its bytes name no stored manifest, so gc deletes nothing (`cas repair` or `cas rm`)"
+    )
+    return found, Damage(scanned.label, problem, kept, holds=True)
 
 
 def damaged_event_roots(stores: Stores, record: RefRecord) -> tuple[list[Digest], list[Damage]]:
