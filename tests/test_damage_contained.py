@@ -283,3 +283,21 @@ def test_a_record_whose_target_is_lost_is_rebuilt_from_its_history_segments(
     assert [(f["ref"], f["action"]) for f in fixes] == [("runs/r/latest", "rebuilt")]
     assert "history segments" in fixes[0]["detail"]
     np.testing.assert_array_equal(repo.load("runs/r/latest")["w"], weights(3)["w"])
+
+
+def test_the_nightly_cron_job_takes_its_snapshot_and_prunes_around_the_damage(
+    tmp_path: Any,
+) -> None:
+    store = Store(str(tmp_path / "store"))
+    damage(store)
+    policy = ("--select", "runs/*", "--keep-last", "2", "--daily-snapshot", "runs/*")
+    assert store.cas("policy", "set", *policy, "--snapshot-only", "w").exit_code == 0
+    nightly = store.cas("forget", "--prune")
+    assert nightly.exit_code == 0, nightly.output
+    assert "snapshot snapshots/" in nightly.stdout and "copied runs/c5" in nightly.stdout
+    assert "removed 2 refs" in nightly.stdout
+    assert [w.split()[4].rstrip(":") for w in nightly.stderr.splitlines()] == [
+        "runs/c1",
+        "runs/c2",
+        "runs/c5",
+    ]

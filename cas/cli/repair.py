@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx, progress_bar
+from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx
 
 
 @cli.command()
@@ -22,10 +24,14 @@ def repair(obj: Context, selector: str, dry_run: bool, as_json: bool) -> None:
     a ref whose manifest is missing moves back to the newest earlier target it had.
     What cannot be rebuilt is named, and the exit status is 1.
     """
+    from tqdm import tqdm
+
     repo = obj.open(create=False)
-    total = len(repo.ref_names(selector)) if not obj.quiet else None
-    with progress_bar(obj, total, "repair") as update:
-        report = repo.repair_refs(selector, dry_run=dry_run, progress=update)
+    total = len(repo.ref_names(selector))
+    # Counted in refs: a large store's scan takes minutes on S3.
+    with tqdm(total=total, desc="repair", unit="ref", disable=obj.quiet, file=sys.stderr,
+              leave=False) as bar:  # fmt: skip
+        report = repo.repair_refs(selector, dry_run=dry_run, progress=bar.update)
     if as_json:
         emit_json(report.to_dict())
     else:
