@@ -29,6 +29,7 @@ from cas.refs.keys import ref_key
 from cas.repo.repository import Repository
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
+from cas.training.pool import OpponentPool
 
 KEEP_LAST = ("forget", "--select", "runs/*", "--keep-last", "2")
 NOW = ("--grace", "0", "--reflog-window", "0")
@@ -301,3 +302,17 @@ def test_the_nightly_cron_job_takes_its_snapshot_and_prunes_around_the_damage(
         "runs/c2",
         "runs/c5",
     ]
+
+
+def test_an_opponent_pool_keeps_its_capacity_around_a_damaged_entry(tmp_path: Any) -> None:
+    repo = cas.open(tmp_path / "store")
+    pool = OpponentPool(repo, "pool", capacity=2)
+    first = pool.promote(weights(1))
+    repo.blobs.put(ref_key(RefName(first.ref)), b"garbage")
+    versions = [pool.promote(weights(seed)).version for seed in range(2, 6)]
+    assert versions == [2, 3, 4, 5]
+    assert [e.version for e in pool.entries()] == [4, 5]  # the capacity, over the healthy ones
+    assert [d.ref for d in pool.damaged] == [first.ref]  # kept, and never evicted
+    repo.rm_damaged(first.ref)
+    repo.rm(pool.counter_ref)
+    assert pool.promote(weights(6)).version == 6

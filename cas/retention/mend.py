@@ -103,7 +103,10 @@ def repair_refs(
         scanned = stores.refs.scan(selector)
         report.refs = len(scanned)
         for ref in scanned:
-            fix = _repair_one(stores, ref, dry_run)
+            try:
+                fix = _repair_one(stores, ref, dry_run)
+            except CASError as e:  # e.g. a writer moved the ref meanwhile: the others go on
+                fix = RefFix(ref.label, "repair failed", "none", str(e).splitlines()[0], False)
             if fix is not None:
                 report.fixes.append(fix)
             if progress is not None:
