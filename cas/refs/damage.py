@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from cas.blobstore.base import Version
 from cas.digest import Digest
-from cas.errors import NotFound
+from cas.errors import CASError, FormatError, NotFound
 from cas.refs.keys import REFS_PREFIX, ref_key
 from cas.refs.records import RefRecord, encode_ref
 from cas.refs.store import RefStore
@@ -36,8 +36,9 @@ class RawRecord:
     """A ref record's bytes as stored, and the version a conditional delete must expect."""
 
     key: str
-    data: bytes
-    version: Version
+    data: bytes | None
+    """None when even the bytes cannot be read back (an encrypted blob that fails its tag)."""
+    version: Version | None
 
 
 def read_raw(refs: RefStore, key: str) -> RawRecord | None:
@@ -46,6 +47,8 @@ def read_raw(refs: RefStore, key: str) -> RawRecord | None:
         data, version = refs.blobs.get_versioned(key)
     except NotFound:
         return None
+    except CASError:  # a sealed store's blob that fails its tag: no bytes to salvage or keep
+        return RawRecord(key, None, None)
     return RawRecord(key, data, version)
 
 
@@ -59,13 +62,19 @@ def salvage_digests(data: bytes) -> list[Digest]:
 
 
 def remove(refs: RefStore, raw: RawRecord) -> None:
-    """Delete the record if it still holds ``raw``'s version (PreconditionFailed otherwise)."""
-    refs.blobs.delete_conditional(raw.key, raw.version)
+    """Delete the record if it still holds ``raw``'s version (PreconditionFailed otherwise); a
+    record whose bytes cannot be read back has no version to check, and is deleted as it is."""
+    if raw.version is None:
+        refs.blobs.delete(raw.key)
+    else:
+        refs.blobs.delete_conditional(raw.key, raw.version)
     refs.forget_decoded()
 
 
 def keep_copy(refs: RefStore, raw: RawRecord, now: float | None = None) -> str:
     """Store a copy of ``raw``'s bytes under ``damaged/``; return its key."""
+    if raw.data is None:
+        raise FormatError(f"ref blob {raw.key!r} cannot be read back, so it cannot be kept")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
     key = f"{DAMAGED_PREFIX}{raw.key}/{stamp}-{uuid.uuid4().hex[:8]}.ref"
     refs.blobs.put(key, raw.data)

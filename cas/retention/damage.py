@@ -85,7 +85,7 @@ def unreadable_ref_roots(stores: Stores, scanned: ScannedRef) -> tuple[list[Dige
     history segments name), and the report. Its current target is known to be kept only when
     a checkpoint manifest, not just history, is among them."""
     raw = read_raw(stores.refs, scanned.key)
-    found = _stored(stores, salvage_digests(raw.data)) if raw is not None else []
+    found = _stored(stores, salvage_digests(raw.data)) if raw is not None and raw.data else []
     problem = f"ref record cannot be read: {_first_line(scanned.error)}"
     checkpoints = []
     for digest in list(found):

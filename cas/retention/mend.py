@@ -99,6 +99,8 @@ def repair_refs(
 ) -> RefRepairReport:
     """Rebuild, clean or set aside every damaged ref ``selector`` picks (see the module)."""
     report = RefRepairReport(dry_run)
+    if not dry_run:
+        stores.check_deletes("repair")  # it moves records aside: a copy, then a delete
     with stores.maintenance.lock("repair", enabled=not dry_run):
         scanned = stores.refs.scan(selector)
         report.refs = len(scanned)
@@ -167,6 +169,9 @@ def _rebuild(stores: Stores, scanned: ScannedRef, dry_run: bool) -> RefFix | Non
     raw = damage.read_raw(stores.refs, scanned.key)
     if raw is None:
         return None  # removed meanwhile
+    if raw.data is None:  # nothing to salvage and nothing to keep: left for `cas rm`
+        detail = "its bytes cannot be read back (another key?), so they cannot be kept; `cas rm`"
+        return RefFix(scanned.label, problem, "none", detail, False)
     target, source = _salvaged_target(stores, raw.data)
     aside = "damaged/" + scanned.key + "/..." if dry_run else damage.set_aside(stores.refs, raw)
     if target is None or scanned.name is None:
