@@ -316,3 +316,27 @@ def test_an_opponent_pool_keeps_its_capacity_around_a_damaged_entry(tmp_path: An
     repo.rm_damaged(first.ref)
     repo.rm(pool.counter_ref)
     assert pool.promote(weights(6)).version == 6
+
+
+def test_an_encrypted_ref_record_that_fails_its_tag_holds_gc_until_rm_removes_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("CAS_KEY", "CAS_KEY_FILE", "CAS_KEY_COMMAND"):
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path / "store"
+    repo = cas.open(root, key="a passphrase")
+    repo.save(weights(0), "runs/a")
+    repo.save(weights(1), "runs/b")
+    repo.rm("runs/b")
+    sealed = root / "refs" / "runs%2Fa"
+    sealed.write_bytes(sealed.read_bytes()[:-1] + b"\x00")  # the tag no longer verifies
+    monkeypatch.setenv("CAS_KEY", "a passphrase")
+    store = Store(str(root))
+    gc = store.json("gc", *NOW)
+    assert gc["plan"]["held"] and gc["result"]["deleted_chunks"] == 0
+    repair = store.json("repair")
+    assert [(f["ref"], f["action"], f["fixed"]) for f in repair["fixes"]] == [
+        ("runs/a", "none", False)
+    ]
+    assert store.json("rm", "runs/a") == [{"ref": "runs/a", "manifest": None}]
+    assert store.json("gc", *NOW)["result"]["deleted_chunks"] == 2

@@ -446,37 +446,6 @@ def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_
 
 
 @cli.command()
-@ref_argument("refs", nargs=-1, required=True)
-@json_option
-@pass_ctx
-def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
-    """Delete refs. Their chunks stay until `cas gc` finds them unreferenced.
-
-    A ref whose record cannot be read is removed all the same (its manifest: null).
-    """
-    from cas.errors import FormatError
-
-    repo = obj.open(create=False)
-    unreadable = set()
-    for ref in refs:  # a typo in one name removes none of them
-        try:
-            repo.resolve(ref)
-        except FormatError:
-            unreadable.add(ref)
-    removed = [
-        {"ref": r, "manifest": None if r in unreadable else repo.rm(r)}
-        for r in refs
-        if r not in unreadable or repo.rm_damaged(r)
-    ]
-    if as_json:
-        emit_json(removed)
-    else:
-        for row in removed:
-            was = row["manifest"][:16] if row["manifest"] else "an unreadable record"
-            click.echo(f"removed {row['ref']} (was {was})")
-
-
-@cli.command()
 @ref_argument("a")
 @ref_argument("b")
 @click.option("-a", "--all", "show_all", is_flag=True, help="List unchanged entries too (=).")

@@ -1,4 +1,5 @@
-"""The repair command: rebuild damaged refs from what the store still holds, set the rest aside."""
+"""Removing and mending refs: ``rm`` (any ref, readable or not) and ``repair`` (rebuild damaged
+refs from what the store still holds, set the rest aside)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,38 @@ import sys
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx
+from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx, ref_argument
+
+
+@cli.command()
+@ref_argument("refs", nargs=-1, required=True)
+@json_option
+@pass_ctx
+def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
+    """Delete refs. Their chunks stay until `cas gc` finds them unreferenced.
+
+    A ref whose record cannot be read is removed all the same (its manifest: null).
+    """
+    from cas.errors import FormatError, IntegrityError
+
+    repo = obj.open(create=False)
+    unreadable = set()
+    for ref in refs:  # a typo in one name removes none of them
+        try:
+            repo.resolve(ref)
+        except (FormatError, IntegrityError):  # damaged (a sealed one fails its tag)
+            unreadable.add(ref)
+    removed = [
+        {"ref": r, "manifest": None if r in unreadable else repo.rm(r)}
+        for r in refs
+        if r not in unreadable or repo.rm_damaged(r)
+    ]
+    if as_json:
+        emit_json(removed)
+    else:
+        for row in removed:
+            was = row["manifest"][:16] if row["manifest"] else "an unreadable record"
+            click.echo(f"removed {row['ref']} (was {was})")
 
 
 @cli.command()

@@ -32,6 +32,7 @@ from cas.refs.damage import read_raw, salvage_digests
 from cas.refs.records import RefRecord, unpack_events
 from cas.refs.store import REFLOG_MARK, ScannedRef
 from cas.refs.stores import Stores
+from cas.units import format_size
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,14 @@ def unreadable_root(what: str, digest: str, error: object) -> Damage:
         "gc deletes nothing (`cas verify --repair-from` restores it)",
         holds=True,
     )
+
+
+def damage_lines(damaged: tuple[Damage, ...], withheld: int) -> list[str]:
+    """The warning lines of a GC plan's summary about the damage it worked around."""
+    lines = [f"  WARNING: damaged {d}" for d in damaged]
+    if any(d.holds for d in damaged):
+        lines.append(
+            f"  WARNING: deleting nothing ({format_size(withheld)} withheld) while damage hides "
+            "what it reaches"
+        )
+    return lines

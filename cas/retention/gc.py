@@ -44,6 +44,7 @@ from cas.refs.records import FencedWriter, RefRecord
 from cas.refs.stores import Stores
 from cas.retention.damage import (
     Damage,
+    damage_lines,
     damaged_event_roots,
     unreadable_history,
     unreadable_ref_roots,
@@ -304,13 +305,7 @@ class GCPlan:
                 f"  WARNING: ref {name!r} names a missing manifest: set aside, it keeps nothing; "
                 "run `cas verify`"
             )
-        for damage in self.damaged:
-            lines.append(f"  WARNING: damaged {damage}")
-        if self.held:
-            lines.append(
-                f"  WARNING: deleting nothing ({format_size(self.withheld_bytes)} withheld) while "
-                "damage hides what it reaches"
-            )
+        lines.extend(damage_lines(self.damaged, self.withheld_bytes))
         if self.missing_chunks:
             lines.append(
                 f"  WARNING: {self.missing_chunks} reachable chunks are missing; run `cas verify`"
