@@ -376,7 +376,8 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     """History of REF, newest first (REF~N addresses entry N).
 
     If part of the history cannot be read (a damaged sealed segment), the events before it are
-    shown, then one warning line, and the exit status is 1.
+    shown, then one warning line, and the exit status is 1. An unreadable entry of the recent
+    history is left out and named in a warning line (exit status 0).
     """
     from cas.errors import CASError
     from cas.refs.records import RefEvent
@@ -400,6 +401,9 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     else:
         for i, e in enumerate(events):
             click.echo(f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}")
+    record = repo.find_ref(ref)
+    if record is not None:  # shown around: the rest of the history stands (`cas repair`)
+        warn_damaged(f"{ref}: {problem} (not shown)" for problem in record.problems())
     if damage is not None:
         warn_damaged([f"older history of {ref}: {damage}"])
         sys.exit(1)
@@ -439,23 +443,6 @@ def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_
         emit_json({"ref": dst, "manifest": digest})
     else:
         click.echo(f"{dst} -> {digest[:16]}")
-
-
-@cli.command()
-@ref_argument("refs", nargs=-1, required=True)
-@json_option
-@pass_ctx
-def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
-    """Delete refs. Their chunks stay until `cas gc` finds them unreferenced."""
-    repo = obj.open(create=False)
-    for ref in refs:  # a typo in one name removes none of them
-        repo.resolve(ref)
-    removed = [{"ref": r, "manifest": repo.rm(r)} for r in refs]
-    if as_json:
-        emit_json(removed)
-    else:
-        for row in removed:
-            click.echo(f"removed {row['ref']} (was {row['manifest'][:16]})")
 
 
 @cli.command()

@@ -183,6 +183,11 @@ class RefStore:
             raise FormatError(f"ref blob {key!r} holds the record of another ref, {record.name!r}")
         return self._remember(record)
 
+    def forget_decoded(self) -> None:
+        """Drop the records kept for reuse: a record was changed or removed beside ``update``."""
+        self._decoded.clear()
+        self._changed()
+
     def _get_legacy(self, ref: RefName) -> RefRecord | None:
         """A long name's record where an older cas stored it, or None."""
         key = legacy_key(ref)
@@ -251,7 +256,7 @@ class RefStore:
 
         Unlike ``names``, nothing is skipped quietly: a blob whose key names no valid ref, or
         whose record is damaged, is reported with its error, so a caller that must see every
-        ref (GC, which could otherwise delete what a damaged ref protects) can refuse, and a
+        ref (GC, which could otherwise delete what a damaged ref protects) can keep it, and a
         listing can show every other ref and say which one it could not read. A damaged blob
         whose name is unknown is reported by every selector whose listing reaches its key. A
         ref removed since the listing is left out: it protects nothing any more.

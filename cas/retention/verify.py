@@ -103,6 +103,8 @@ def verify(
         report.problems.append(Problem(bad.ref, "bad-ref", bad.error))
     for name, record in sorted(records.items()):
         report.refs += 1
+        for problem in record.problems():  # readable around it, but damage all the same
+            report.problems.append(Problem(name, "bad-history", problem))
         for sealed in record.sealed:
             try:
                 refs.segment(record, sealed)
