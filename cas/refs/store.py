@@ -310,8 +310,13 @@ class RefStore:
             raise ValueError("a ref update needs at least one attempt")
         if self.leases is not None:
             self.leases.declare(ref)  # before the read the compare-and-swap depends on
+        ours: RefEvent | None = None
         for _ in range(attempts):
             current, version = self._current(ref)
+            if ours is not None and current is not None and ours in current.history:
+                # Our write landed and its answer was lost: the event, stamped with this call's
+                # time, is in the record. Deciding again would record it twice.
+                return current
             decision = fn(current)
             if decision is RefChange.KEEP:
                 return current
@@ -321,6 +326,7 @@ class RefStore:
                         self._delete_record(current)
                     return None
                 moved = self._moved(ref, current, decision, op, message)
+                ours = moved.history[-1]
                 return self._write_record(moved, current, version)
             except (PreconditionFailed, NotFound):
                 continue  # another writer got in between: decide again on its record
