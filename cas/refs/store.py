@@ -299,8 +299,10 @@ class RefStore:
         and the exception reaches the caller unchanged. The write is conditional on the version
         ``fn`` saw: when another writer got in between, the record is read again and ``fn`` is
         called again with it, so ``fn`` must be safe to repeat (objects it stores and then
-        abandons are left to GC). After ``attempts`` lost races: RefConflict naming the ref and
-        ``op``. ``op`` and ``message`` are recorded in the ref's history.
+        abandons are left to GC); a write of ours that landed although it was reported lost (a
+        retried request whose reply went missing) is known by its event in the record read
+        again, and ends the update. After ``attempts`` lost races: RefConflict naming the ref
+        and ``op``. ``op`` and ``message`` are recorded in the ref's history.
 
         Returns the record as this call left it: the new one, the current one for KEEP, None
         when the ref is (now) absent.
