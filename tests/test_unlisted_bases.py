@@ -71,6 +71,7 @@ def test_plain_verify_flags_a_delta_chunk_whose_base_the_manifest_does_not_list(
     assert not report.ok and unlisted
     assert {p.ref for p in unlisted} == {HOSTILE}
     assert delta in {p.digest for p in unlisted}
+    assert "unlisted-base" in {p.kind for p in repo.verify(level="full").problems}
     result = CliRunner().invoke(cli, ["--store", str(tmp_path / "s"), "verify"])
     assert result.exit_code != 0
     assert "unlisted-base" in result.output
