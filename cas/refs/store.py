@@ -304,8 +304,10 @@ class RefStore:
         and the exception reaches the caller unchanged. The write is conditional on the version
         ``fn`` saw: when another writer got in between, the record is read again and ``fn`` is
         called again with it, so ``fn`` must be safe to repeat (objects it stores and then
-        abandons are left to GC). After ``attempts`` lost races: RefConflict naming the ref and
-        ``op``. ``op`` and ``message`` are recorded in the ref's history.
+        abandons are left to GC); a write of ours that landed although it was reported lost (a
+        retried request whose reply went missing) is known by its event in the record read
+        again, and ends the update. After ``attempts`` lost races: RefConflict naming the ref
+        and ``op``. ``op`` and ``message`` are recorded in the ref's history.
 
         Returns the record as this call left it: the new one, the current one for KEEP, None
         when the ref is (now) absent.
@@ -315,8 +317,13 @@ class RefStore:
             raise ValueError("a ref update needs at least one attempt")
         if self.leases is not None:
             self.leases.declare(ref)  # before the read the compare-and-swap depends on
+        ours: RefEvent | None = None
         for _ in range(attempts):
             current, version = self._current(ref)
+            if ours is not None and current is not None and ours in current.history:
+                # Our write landed and its answer was lost: the event, stamped with this call's
+                # time, is in the record. Deciding again would record it twice.
+                return current
             decision = fn(current)
             if decision is RefChange.KEEP:
                 return current
@@ -326,6 +333,7 @@ class RefStore:
                         self._delete_record(current)
                     return None
                 moved = self._moved(ref, current, decision, op, message)
+                ours = moved.history[-1]
                 return self._write_record(moved, current, version)
             except (PreconditionFailed, NotFound):
                 continue  # another writer got in between: decide again on its record
