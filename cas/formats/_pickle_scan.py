@@ -19,10 +19,11 @@ it). Here nothing a pickle names is imported or called. ``scan_pickle`` reads th
 - ``BUILD`` is allowed only on ``OrderedDict`` and numpy objects; ``INST``, ``OBJ``, ``EXT*``,
   text ``PERSID`` and out-of-band buffers are refused outright.
 
-The result is the object tree the file describes, which ``named_tensors`` walks to name tensors
-by their dotted paths. With ``foreign_objects=True`` (for a file the caller has agreed never to
-load) a global outside the allowlist is not refused: it and whatever it builds become ``Opaque``
-markers, so the tensors around an ``argparse.Namespace`` or a config object are still named.
+The result is the object tree the file describes, which ``named_tensors``
+(``cas.formats._pickle_names``) walks to name tensors by their dotted paths. With
+``foreign_objects=True`` (for a file the caller has agreed never to load) a global outside the
+allowlist is not refused: it and whatever it builds become ``Opaque`` markers, so the tensors
+around an ``argparse.Namespace`` or a config object are still named.
 Work and memory stay linear in the pickle's size: bulk copies and hashing draw on a budget
 proportional to it, and hashable keys are bounded in depth.
 """
@@ -57,9 +58,6 @@ class BrokenPickle(Exception):
 
 MAX_KEY_DEPTH = 32
 """Deepest tuple accepted as a dict key or set member (hashing recurses in C)."""
-
-MAX_NAME_DEPTH = 256
-"""Deepest container whose tensors are named by path; deeper ones keep storage names."""
 
 
 @dataclass(frozen=True)
@@ -159,53 +157,6 @@ def scan_pickle(
     Raises ``UnsafePickle`` (with the refused ``module.name`` in its message) or ``BrokenPickle``.
     """
     return _Machine(storage_id_fields, foreign_objects).run(stream)
-
-
-def named_tensors(root: object) -> Iterator[tuple[str, TensorRef]]:
-    """Tensors reachable from ``root`` with their dotted paths, depth-first in insertion order.
-
-    The same tensor reached twice is yielded twice; a container reached twice is walked once.
-    Paths through keys that have no plain text form (or deeper than ``MAX_NAME_DEPTH``) are "".
-    """
-    stack: list[tuple[tuple[str, ...] | None, object]] = [((), root)]
-    seen: set[int] = set()
-    while stack:
-        path, obj = stack.pop()
-        if isinstance(obj, TensorRef):
-            yield ("" if path is None else ".".join(path)), obj
-            continue
-        if id(obj) in seen or not isinstance(obj, (dict, list, tuple)):
-            continue
-        seen.add(id(obj))
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        children: list[tuple[tuple[str, ...] | None, object]] = []
-        for key, value in items:
-            text = _key_text(key)
-            if path is None or text is None or len(path) >= MAX_NAME_DEPTH:
-                children.append((None, value))
-            else:
-                children.append(((*path, text), value))
-        stack.extend(reversed(children))
-
-
-def _key_text(key: object) -> str | None:
-    """``str(key)`` for keys whose text is cheap and unambiguous (as a path component)."""
-    if key is None or isinstance(key, (str, bytes, bool, float)):
-        return str(key)
-    if isinstance(key, int):
-        return str(key) if key.bit_length() <= 64 else None
-    if isinstance(key, tuple) and len(key) <= 16 and all(_is_plain_key(k) for k in key):
-        return str(key)
-    if isinstance(key, _Global) and key.name.removeprefix("torch.") in DTYPE_ITEMSIZE:
-        return key.name  # a dtype key prints as torch.float32
-    return None
-
-
-def _is_plain_key(key: object) -> bool:
-    """A constant whose ``str`` is its text (no tuple, no allowed global)."""
-    if isinstance(key, int) and not isinstance(key, bool):
-        return key.bit_length() <= 64
-    return key is None or isinstance(key, (str, bytes, bool, float))
 
 
 def _printable(text: str, limit: int = 1000) -> str:

@@ -25,11 +25,11 @@ from typing import IO, BinaryIO
 
 from cas.errors import FormatError, RefusedPickle
 from cas.formats._pickle_allow import PLAIN_DTYPES
+from cas.formats._pickle_names import named_tensors
 from cas.formats._pickle_scan import (
     BrokenPickle,
     ScannedPickle,
     UnsafePickle,
-    named_tensors,
     scan_pickle,
 )
 from cas.formats.layout import (
