@@ -4,7 +4,8 @@ A state is any nesting of dicts (str or int keys), lists and tuples whose leaves
 numpy arrays and scalars, ints, floats, strings, bytes, bools, None, ``torch.dtype`` and
 ``torch.device``. Containers become tagged msgpack maps (``{"~": "dict", "items": [[k, v], ...]}``),
 plain values stay plain, and each tensor becomes ``{"~": "tensor", "i": n}``, an index into the
-manifest's tensor table. The same tensor object reached twice is stored once and comes back as
+manifest's tensor table. The same tensor reached twice (one object, or two objects over the same
+elements of one storage, as ``state_dict()`` gives tied weights) is stored once and comes back as
 one object (tied weights stay tied). A sparse tensor (COO or CSR) becomes a ``sparse`` node naming
 its component tensors (indices and values, or row pointers, columns and values) and its size, so
 it comes back bit-exact without being densified.
@@ -155,13 +156,20 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
     seen_sparse: dict[int, dict[str, Any]] = {}
     keep_alive: list[Any] = []
 
+    aliases: dict[tuple[Any, ...], int] = {}
+
     def add(obj: Any, source: Callable[[], TensorSource]) -> dict[str, Any]:
         index = seen.get(id(obj))
+        alias = alias_key(obj) if index is None else None
+        if index is None and alias is not None:
+            index = aliases.get(alias)
         if index is None:
             index = len(sources)
             sources.append(source())
-            seen[id(obj)] = index
-            keep_alive.append(obj)  # ids stay unique only while the objects live
+            keep_alive.append(obj)  # ids and data pointers stay unique only while objects live
+            if alias is not None:
+                aliases[alias] = index
+        seen[id(obj)] = index
         return {"~": "tensor", "i": index}
 
     def walk(obj: Any, path: str) -> Any:
@@ -234,6 +242,29 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
 
     tree = walk(state, "")
     return tree, sources
+
+
+def alias_key(obj: Any) -> tuple[Any, ...] | None:
+    """What makes two tensor objects one tensor: the same elements of the same storage.
+
+    ``state_dict()`` returns a new tensor object per name, so tied weights (an embedding and
+    ``lm_head.weight``) are two objects over one storage; they are stored once and load as one
+    tensor, as ``torch.load`` keeps them sharing memory. Empty tensors are never aliases.
+    """
+    import torch
+
+    if not isinstance(obj, torch.Tensor) or obj.numel() == 0 or obj.layout != torch.strided:
+        return None
+    return (
+        obj.device,
+        obj.untyped_storage().data_ptr(),
+        obj.storage_offset(),
+        obj.dtype,
+        tuple(obj.shape),
+        obj.stride(),
+        obj.is_conj(),
+        obj.is_neg(),
+    )
 
 
 def iter_tensor_paths(tree: Any, path: str = "") -> Iterator[tuple[str, int]]:
