@@ -2,7 +2,8 @@
 
 A state is any nesting of dicts (str or int keys), lists and tuples whose leaves are tensors,
 numpy arrays and scalars, ints, floats, strings, bytes, bools, None, ``torch.dtype`` and
-``torch.device``. Containers become tagged msgpack maps (``{"~": "dict", "items": [[k, v], ...]}``),
+``torch.device``; a dataclass instance (a config) is stored as a dict of its fields that names its
+type, and loads as that dict. Containers become tagged msgpack maps (``{"~": "dict", "items": [[k, v], ...]}``),
 plain values stay plain, and each tensor becomes ``{"~": "tensor", "i": n}``, an index into the
 manifest's tensor table. The same tensor reached twice (one object, or two objects over the same
 elements of one storage, as ``state_dict()`` gives tied weights) is stored once and comes back as
@@ -13,6 +14,7 @@ it comes back bit-exact without being densified.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -231,6 +233,15 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
                 "~": tag,
                 "items": [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)],
             }
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            # A config dataclass: its fields, stored as a dict that names the type; it loads as
+            # that dict (cas never imports a class a store names).
+            kind = type(obj)
+            fields = [
+                [f.name, walk(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name)]
+                for f in dataclasses.fields(obj)
+            ]
+            return {"~": "dict", "items": fields, "type": f"{kind.__module__}.{kind.__qualname__}"}
         if isinstance(obj, torch.dtype):
             return {"~": "dtype", "v": torch_dtype_name(obj)}
         if isinstance(obj, torch.device):
@@ -284,6 +295,25 @@ def iter_tensor_paths(tree: Any, path: str = "") -> Iterator[tuple[str, int]]:
                 yield from iter_tensor_paths(value, f"{path}.{i}" if path else str(i))
 
 
+def tensor_casts(tree: Any) -> dict[int, str]:
+    """Tensor index -> the dtype a load gives back, for tensors a precision policy stored in
+    another dtype (their node's ``"as"``)."""
+    out: dict[int, str] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        tag = node.get("~")
+        if tag == "tensor" and "as" in node:
+            out[int(node["i"])] = str(node["as"])
+        elif tag == "dict":
+            stack.extend(value for _, value in node["items"])
+        elif tag in ("list", "tuple"):
+            stack.extend(node["items"])
+    return out
+
+
 def selected_tensors(tree: Any, select: Callable[[str], bool] | None) -> list[int]:
     """Tensor indices a load with ``select`` reads, in tree order, each once: a sparse tensor's
     components all, if any of them (or the sparse tensor's own path) is selected."""
@@ -328,7 +358,9 @@ def decode_state(
         if tag == "tensor":
             if select is not None and not select(path):
                 return missing
-            return tensor(int(node["i"]))
+            value = tensor(int(node["i"]))
+            # Stored in another dtype by a precision policy (``cas.model.precision``).
+            return value if "as" not in node else value.to(torch_dtype(str(node["as"])))
         if tag == "sparse":
             if select is not None and not sparse_selected(node, path, select):
                 return missing

@@ -22,7 +22,9 @@ from cas.model.state import (
     byte_buffer,
     decode_state,
     iter_tensor_paths,
+    tensor_casts,
     tensor_from_bytes,
+    torch_dtype,
     writable_view,
 )
 from cas.objects.chunkio import ChunkIO
@@ -55,6 +57,7 @@ class CheckpointReader(Mapping[str, Any]):
         self.ref = ref
         self.manifest: Manifest = repo.manifest(ref)
         self._index = _tensor_index(self.manifest)
+        self._casts = tensor_casts(self.manifest.tree) if self.manifest.kind == "state" else {}
         self._closed = False
 
     @property
@@ -72,7 +75,12 @@ class CheckpointReader(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         """The whole tensor ``name``, reading only its chunks."""
         index = self._lookup(name)
-        return self._repo.read_tensors(self.manifest, [index])[index]
+        return self._restored(index, self._repo.read_tensors(self.manifest, [index])[index])
+
+    def _restored(self, index: int, value: Any) -> Any:
+        """``value`` in the dtype it was saved in, if a precision policy stored it in another."""
+        cast = self._casts.get(index)
+        return value if cast is None else value.to(torch_dtype(cast))
 
     def get_tensor(self, name: str) -> Any:
         """``reader[name]``, under safetensors' name for it."""
@@ -80,7 +88,8 @@ class CheckpointReader(Mapping[str, Any]):
 
     def get_slice(self, name: str) -> TensorSlice:
         """A handle whose ``[rows]`` (and ``[rows, ...]``) reads only the chunks of those rows."""
-        return TensorSlice(self, name, self.manifest.tensors[self._lookup(name)])
+        index = self._lookup(name)
+        return TensorSlice(self, name, index, self.manifest.tensors[index])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -142,9 +151,10 @@ class TensorSlice:
     """One tensor of an open checkpoint, read by rows: ``slice[a:b]``, ``slice[i]``,
     ``slice[a:b:step, cols]``. Steps must be positive, as in torch."""
 
-    def __init__(self, reader: CheckpointReader, name: str, entry: TensorEntry) -> None:
+    def __init__(self, reader: CheckpointReader, name: str, index: int, entry: TensorEntry) -> None:
         self._reader = reader
         self.name = name
+        self._index = index
         self._entry = entry
 
     def get_shape(self) -> list[int]:
@@ -152,8 +162,8 @@ class TensorSlice:
         return list(self._entry.shape)
 
     def get_dtype(self) -> str:
-        """The tensor's dtype name (``float32``, ``bfloat16``, a numpy ``<f4``...)."""
-        return self._entry.dtype
+        """The tensor's dtype name as it loads (``float32``, ``bfloat16``, a numpy ``<f4``...)."""
+        return self._reader._casts.get(self._index, self._entry.dtype)
 
     def __getitem__(self, key: Any) -> Any:
         entry = self._entry
@@ -180,6 +190,7 @@ class TensorSlice:
         high = picked[-1] + 1 if picked else 0
         data = self._reader._read_bytes(entry, low * row_bytes, high * row_bytes)
         block = tensor_from_bytes(entry.kind, entry.dtype, (high - low, *entry.shape[1:]), data)
+        block = self._reader._restored(self._index, block)
         if picked.step != 1:
             block = block[:: picked.step]
         if isinstance(first, int):
