@@ -154,6 +154,7 @@ class CheckpointManager(RunRefs):
         self._write_history = TrainingHistory(self._write_repo, self.history.ref)
         self.yield_thread = yield_thread
         self._lender = ThreadLender(yield_thread)
+        self._latest_known = self.latest_ref
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None
         self._last_result: SaveResult | None = None
@@ -411,11 +412,14 @@ class CheckpointManager(RunRefs):
         self, prepared: PreparedSave, digest: Digest, start: float, logical: int, new: int
     ) -> SaveResult:
         """Move ``latest`` and ``best`` to the committed ``digest``, then run the policy."""
+        latest = self.latest_ref_of(prepared.phase)
+        if latest != self._latest_known:  # a per-phase latest: another phase's pointer
+            self._latest_target = self._read_target(latest)
         self._write_repo.set_ref(  # the run's own pointer: moving it is what it is for
-            self.latest_ref, digest, expected=self._latest_target, op="save",
+            latest, digest, expected=self._latest_target, op="save",
             message=prepared.ref, overwrite=True,
         )  # fmt: skip
-        self._latest_target = digest
+        self._latest_target, self._latest_known = digest, latest
         is_best = self._update_best(digest, prepared)
         mirror_error = self._mirror_best(prepared.phase, digest)
         retention_error = None
@@ -509,6 +513,7 @@ class CheckpointManager(RunRefs):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.wait()
+        self._latest_known = self.latest_ref
         self._latest_target = self._read_target(self.latest_ref)
         if mode == "auto":
             mode = "resume" if source is not None or self._latest_target is not None else "fresh"
