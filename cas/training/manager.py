@@ -40,6 +40,7 @@ from cas.training.compat import (
     ConfigMismatch,
     StrictLoadError,
     SystemMismatch,
+    TensorSpec,
     check_config,
     check_keys,
     check_system,
@@ -76,6 +77,7 @@ __all__ = [
     "Skipped",
     "StrictLoadError",
     "SystemMismatch",
+    "TensorSpec",
     "config_hash",
     "new_run_id",
 ]
