@@ -184,6 +184,21 @@ def _canonical_json(config: Any) -> str:
     return json.dumps(_jsonable(config), sort_keys=True, separators=(",", ":"))
 
 
+def config_change(meta: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """What a pivot's history record says about the config: the hashes before and after, and
+    ``{dotted key: [before, after]}`` for each changed key (when both configs are plain data)."""
+    old, new = meta.get("config"), plain_config(config)
+    changes = {key: [_at(old, key), _at(new, key)] for key in changed_keys(old, new)}
+    after = config_hash(config) if config is not None else None
+    return {"config_from": meta.get("config_hash"), "config_to": after, "config_diff": changes}
+
+
+def _at(config: Any, dotted: str) -> Any:
+    for part in dotted.split(".") if dotted != "<config>" else []:
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
 def plain_config(config: Any) -> Any:
     return json.loads(_canonical_json(config)) if config is not None else None
 

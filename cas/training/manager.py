@@ -44,6 +44,7 @@ from cas.training.compat import (
     check_config,
     check_keys,
     check_system,
+    config_change,
     config_hash,
     resume_meta,
 )
@@ -85,7 +86,7 @@ __all__ = [
 log = logging.getLogger("cas.training.manager")
 
 CHECKPOINT_SCHEMA = 1
-MODES = ("fresh", "warm_start", "resume", "auto")
+MODES = ("fresh", "warm_start", "resume", "pivot", "auto")
 
 
 class CheckpointManager(RunRefs):
@@ -508,6 +509,8 @@ class CheckpointManager(RunRefs):
           ``source``, a latest checkpoint that fails verification is skipped for the one before
           it, with a warning and an entry in ``Restored.fallbacks``. The ``system_hash`` must
           match too, unless ``allow_system_change``.
+        - ``pivot``: ``resume`` under a changed config (ANDREA's polish pivot): the exact state,
+          RNGs and step go on; the history records the pivot and the config's changes.
 
         A checkpoint of an older ``schema_version`` is passed through ``migrations`` before it
         is returned; one of a newer version is refused (``SchemaMismatch``) in every mode.
@@ -532,9 +535,10 @@ class CheckpointManager(RunRefs):
 
         def check(ref: str, meta: Mapping[str, Any]) -> None:
             self.schema.check(ref, meta)
-            if mode != "resume":
+            if mode == "warm_start":
                 return
-            check_config(ref, meta, self.config_hash, self.config)
+            if mode == "resume":
+                check_config(ref, meta, self.config_hash, self.config)
             if not allow_system_change:
                 check_system(ref, meta, self.system_hash)
 
@@ -543,7 +547,7 @@ class CheckpointManager(RunRefs):
             candidates,
             keys=keys,
             map_location=map_location,
-            with_rng=mode == "resume",
+            with_rng=mode != "warm_start",
             check=check,
             fallback=source is None,
         )
@@ -555,7 +559,7 @@ class CheckpointManager(RunRefs):
             check_keys(state, template, found.ref)
         step = int(found.meta.get("step", 0))
         warnings: list[str] = []
-        if mode == "resume":
+        if mode in ("resume", "pivot"):
             if isinstance(found.tree, dict) and isinstance(found.tree.get("rng"), dict):
                 warnings = rng_mod.restore(found.tree["rng"])
             elif self.capture_rng:
@@ -570,6 +574,7 @@ class CheckpointManager(RunRefs):
                     "event": mode,
                     "ref": found.ref,
                     "skipped": [s.ref for s in found.skipped],
+                    **(config_change(found.meta, self.config) if mode == "pivot" else {}),
                 }
             )
         return Restored(
