@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -71,6 +72,9 @@ class ForgetPlan:
     evictions: tuple[tuple[str, dict[str, Any]], ...]
     """``(log name, record)`` appended to eviction logs before the refs go."""
     stores: Stores = field(repr=False, compare=False)
+    take_snapshots: Callable[[], object] | None = field(default=None, repr=False, compare=False)
+    """Takes the policy's missing daily snapshots; ``execute`` calls it before removing any ref,
+    as ``Repository.forget`` does (``Repository.plan_forget`` sets it)."""
 
     @property
     def dropped(self) -> tuple[RefDecision, ...]:
@@ -97,6 +101,8 @@ class ForgetPlan:
     def execute(self, *, lock: bool = True) -> ForgetResult:
         """Log evictions, then remove the dropped refs (each only if it still names its manifest)."""
         refs = self.stores.refs
+        if self.take_snapshots is not None:
+            self.take_snapshots()  # a snapshot of a ref this plan drops is taken before it goes
         with self.stores.maintenance.lock("forget", enabled=lock):
             skipped: list[tuple[str, str]] = []
             still: list[RefDecision] = []
@@ -271,6 +277,7 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
         members.sort(key=lambda e: (e.time, e.name), reverse=True)
         rule = policy.rules[index]
         _protect(rule, policy, members, contents, now, zone)
+        warnings.extend(_unranked(rule, group, members))
         _keep(rule, members, now, zone)
         for entry in members:
             if not entry.protected and not entry.kept:
@@ -300,6 +307,18 @@ def _classify(policy: RetentionPolicy, content: RefContent) -> _Entry:
     if rule is None:
         entry.protected.append("no rule selects it")
     return entry
+
+
+def _unranked(rule: Rule, group: str, members: list[_Entry]) -> list[str]:
+    """A warning per ``keep_best`` metric that no checkpoint of the group carries: such a rule
+    protects nothing, which is never what its author meant (a misspelt or unrecorded metric)."""
+    where = f"{rule.name or rule.select}" + (f" [{group}]" if group else "")
+    return [
+        f"keep-best {best.metric}: no checkpoint {where} selects records metric "
+        f"{best.metric!r}, so it protects none (is the metric stored in meta['metrics']?)"
+        for best in rule.keep_best
+        if members and all(best.value(e.content.meta) is None for e in members)
+    ]
 
 
 def _protect(
