@@ -101,6 +101,8 @@ class ForgetPlan:
     def execute(self, *, lock: bool = True) -> ForgetResult:
         """Log evictions, then remove the dropped refs (each only if it still names its manifest)."""
         refs = self.stores.refs
+        if self.dropped:
+            self.stores.check_deletes("forget")
         if self.take_snapshots is not None:
             self.take_snapshots()  # a snapshot of a ref this plan drops is taken before it goes
         with self.stores.maintenance.lock("forget", enabled=lock):
