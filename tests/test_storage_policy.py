@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import cas
 from cas.errors import FormatError
+from cas.fs.filesystem import CASFileSystem
 from tests.helpers import run_cli, small_chunk_repo
 
 
@@ -38,6 +40,11 @@ def test_thalia_stores_weights_as_fp16_and_gets_fp32_back(tmp_path: Path) -> Non
         assert ckpt["model.weights"].dtype == torch.float32
         assert ckpt.get_slice("model.weights").get_dtype() == "float32"
         assert torch.equal(ckpt.get_slice("model.weights")[:4], loaded["weights"][:4])
+
+    # The cas:// .pt view is of the stored bytes: the weights read as float16 there.
+    fs = CASFileSystem(repo=repo, skip_instance_cache=True)
+    viewed = torch.load(io.BytesIO(fs.cat_file("brain/fp16/model.pt")), weights_only=True)
+    assert viewed["weights"].dtype == torch.float16
 
     shown = run_cli(tmp_path / "store", "show", "brain/fp16")
     assert shown.returncode == 0 and "lossy" in shown.stdout and "float16" in shown.stdout

@@ -340,9 +340,16 @@ def selected_tensors(tree: Any, select: Callable[[str], bool] | None) -> list[in
 
 
 def decode_state(
-    tree: Any, tensor: Callable[[int], Any], select: Callable[[str], bool] | None = None
+    tree: Any,
+    tensor: Callable[[int], Any],
+    select: Callable[[str], bool] | None = None,
+    *,
+    restore_dtypes: bool = True,
 ) -> Any:
     """Rebuild a state from a tree; ``tensor(i)`` materialises table entry ``i``.
+
+    A tensor a precision policy stored in another dtype is cast back to its own, unless
+    ``restore_dtypes=False`` (a view of the stored bytes, as the ``cas://`` ``.pt`` files are).
 
     With ``select``, only leaves whose path it accepts are kept: dicts drop the rest, lists and
     tuples keep their length with ``None`` in unselected places, and empty containers vanish.
@@ -360,7 +367,9 @@ def decode_state(
                 return missing
             value = tensor(int(node["i"]))
             # Stored in another dtype by a precision policy (``cas.model.precision``).
-            return value if "as" not in node else value.to(torch_dtype(str(node["as"])))
+            if "as" not in node or not restore_dtypes:
+                return value
+            return value.to(torch_dtype(str(node["as"])))
         if tag == "sparse":
             if select is not None and not sparse_selected(node, path, select):
                 return missing
