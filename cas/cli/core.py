@@ -1,4 +1,4 @@
-"""Core commands: init, put, get, ls, show, log, cp, rm, diff, verify."""
+"""Core commands: init, put, get, cat, ls, show, log, cp, rm, diff, verify."""
 
 from __future__ import annotations
 
@@ -189,25 +189,59 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
     "--sha256", is_flag=True, help="Also write GNU coreutils .sha256 sidecars (sha256sum -c)."
 )
 @click.option("-f", "--force", is_flag=True, help="Overwrite existing files.")
+@click.option(
+    "-i",
+    "--include",
+    multiple=True,
+    metavar="GLOB",
+    help="Only the files whose path or name match (e.g. 'model*.safetensors'; repeatable).",
+)
 @json_option
 @pass_ctx
 def get(
-    obj: Context, ref: str, dest: str, fmt: str | None, sha256: bool, force: bool, as_json: bool
+    obj: Context,
+    ref: str,
+    dest: str,
+    fmt: str | None,
+    sha256: bool,
+    force: bool,
+    include: tuple[str, ...],
+    as_json: bool,
 ) -> None:
-    """Write REF to DEST: ingested files come back byte-identical.
+    """Write REF to DEST: ingested files come back byte-identical, with their modes and
+    modification times.
 
     REF may be a name, NAME~N (N versions back) or a manifest digest. DEST ending in / is a
-    directory (made if needed) that a single file is written into.
+    directory (made if needed) that a single file is written into. One file to stdout: `cas cat`.
     """
     repo = obj.open(create=False)
     manifest = repo.manifest(ref)
     with progress_bar(obj, manifest.logical_bytes(), f"get {ref}") as update:
-        written = repo.get_path(ref, dest, fmt=fmt, sha256=sha256, overwrite=force, progress=update)
+        written = repo.get_path(
+            ref, dest, fmt=fmt, sha256=sha256, overwrite=force, progress=update, include=include
+        )
     if as_json:
         emit_json({"ref": ref, "written": [str(p) for p in written]})
     else:
         for path in written:
             click.echo(str(path))
+
+
+@cli.command()
+@ref_argument("spec", metavar="REF[/PATH]")
+@pass_ctx
+def cat(obj: Context, spec: str) -> None:
+    """Write one ingested file to stdout, byte-identical: REF/PATH for a file of an ingested
+    directory (`cas cat runs/r1/checkpoint-500/config.json`), REF for a single ingested file.
+
+    Streams chunk by chunk, each verified before it is written; memory stays one chunk.
+    """
+    repo = obj.open(create=False, readonly=True)
+    chunks = repo.iter_file(spec)
+    out = click.get_binary_stream("stdout")
+    for chunk in chunks:
+        out.write(chunk)
+    out.flush()
 
 
 @cli.command(name="ls")

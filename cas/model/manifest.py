@@ -99,6 +99,9 @@ class FileEntry:
     chunks: tuple[ChunkRef, ...]
     regions: tuple[FileRegion, ...] = ()
     mode: int = 0o644
+    mtime_ns: int | None = None
+    """The file's modification time when ingested (None in manifests written before cas kept
+    it, and for streamed files): ``cas get`` sets it back."""
 
 
 @dataclass(frozen=True)
@@ -172,21 +175,25 @@ def encode_manifest(manifest: Manifest) -> bytes:
     else:
         for path in manifest.files:  # never store a manifest decode_manifest would refuse
             check_relative_path(path)
-        doc["files"] = {
-            path: {
-                "size": e.size,
-                "format": e.format,
-                "mode": e.mode,
-                "chunks": _pack_chunks(e.chunks),
-                "regions": [[r.name, r.tensor_index, r.offset] for r in e.regions],
-            }
-            for path, e in sorted(manifest.files.items())
-        }
+        doc["files"] = {path: _pack_file(e) for path, e in sorted(manifest.files.items())}
     try:
         packed: bytes = msgpack.packb(doc, use_bin_type=True, strict_types=False)
         return packed
     except (TypeError, ValueError, OverflowError) as e:
         raise FormatError(f"cannot encode manifest: {e}") from e
+
+
+def _pack_file(entry: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "size": entry.size,
+        "format": entry.format,
+        "mode": entry.mode,
+        "chunks": _pack_chunks(entry.chunks),
+        "regions": [[r.name, r.tensor_index, r.offset] for r in entry.regions],
+    }
+    if entry.mtime_ns is not None:  # absent, a manifest is byte for byte what older cas wrote
+        doc["mtime_ns"] = entry.mtime_ns
+    return doc
 
 
 def _unpack_chunks(raw: Any, total: int, refs: dict[int, ChunkRef]) -> tuple[ChunkRef, ...]:
@@ -258,6 +265,8 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
     expect(is_size(size, MAX_ELEMENT_BYTES), "bad file size")
     expect(is_name(fmt), "bad file format")
     expect(is_size(mode, 0o7777), "bad file mode")
+    mtime_ns = raw.get("mtime_ns")
+    expect(mtime_ns is None or is_int(mtime_ns), "bad file mtime")
     raw_regions = raw.get("regions", [])
     expect(isinstance(raw_regions, list), "file regions are not a list")
     regions = []
@@ -268,7 +277,12 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
         expect(is_size(offset, size), "bad region offset")
         regions.append(FileRegion(name, index, offset))
     return FileEntry(
-        size, fmt, _unpack_chunks(raw.get("chunks"), size, refs), tuple(regions), mode & 0o777
+        size,
+        fmt,
+        _unpack_chunks(raw.get("chunks"), size, refs),
+        tuple(regions),
+        mode & 0o777,
+        mtime_ns,
     )
 
 

@@ -142,7 +142,7 @@ def _write_file(
         if source.size != layout.size:
             raise InputChanged(path, "its size differs from when its format was read")
         if source.size == 0:
-            return FileEntry(0, layout.format, (), (), source.mode)
+            return FileEntry(0, layout.format, (), (), source.mode, source.mtime_ns)
         gaps = _GapWriter(repo, source, codec, stats, repo.leases.beat(progress))
         submitted: list[PendingTensor] = []
         cut_list: list[tuple[Cut, int | None]] = []
@@ -176,7 +176,14 @@ def _write_file(
         file_regions.append(FileRegion(region.name, len(tensors), region.offset))
         tensors.append(TensorEntry("torch", region.dtype, tuple(region.shape), len(data), (), data))
     file_regions.sort(key=lambda r: (r.offset, r.tensor_index))
-    return FileEntry(source.size, layout.format, tuple(chunks), tuple(file_regions), source.mode)
+    return FileEntry(
+        source.size,
+        layout.format,
+        tuple(chunks),
+        tuple(file_regions),
+        source.mode,
+        source.mtime_ns,
+    )
 
 
 class _GapWriter:
