@@ -82,8 +82,17 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
 @cli.command()
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @ref_argument("ref")
+@click.option("-m", "--message", default="", help="What this checkpoint is (shown by ls -l, log).")
 @click.option(
-    "-m", "--meta", multiple=True, metavar="KEY=VALUE", help="Metadata to record (repeatable)."
+    "-t", "--tag", "tags", multiple=True, metavar="TAG", help="A label to find it by (repeatable)."
+)
+@click.option(
+    "--meta",
+    "--metadata",
+    "meta",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Metadata to record (repeatable). -m, once short for this, is now --message.",
 )
 @click.option(
     "--allow-opaque-pickles",
@@ -115,6 +124,8 @@ def put(
     obj: Context,
     path: Path,
     ref: str,
+    message: str,
+    tags: tuple[str, ...],
     meta: tuple[str, ...],
     allow_pickles: bool,
     codec: str | None,
@@ -144,6 +155,8 @@ def put(
                 parent=parent,
                 progress=update,
                 overwrite=force,
+                message=message,
+                tags=tags,
             )
         except RefusedPickle as e:
             raise e.for_option("--allow-opaque-pickles") from None
@@ -246,17 +259,42 @@ def cat(obj: Context, spec: str) -> None:
 
 @cli.command(name="ls")
 @ref_argument("prefix", default="")
-@click.option("-l", "--long", "long_", is_flag=True, help="Show size, time and metadata.")
+@click.option("-l", "--long", "long_", is_flag=True, help="Show size, time, tags and message.")
+@click.option(
+    "-w",
+    "--where",
+    multiple=True,
+    metavar="COND",
+    help="Only checkpoints whose metadata satisfy KEY OP VALUE, OP one of >= <= > < == != "
+    "(e.g. 'step>=1000'; repeatable, all must hold).",
+)
+@click.option(
+    "-t", "--tag", "tags", multiple=True, metavar="TAG", help="Only checkpoints with this tag."
+)
 @json_option
 @pass_ctx
-def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
+def ls_(
+    obj: Context,
+    prefix: str,
+    long_: bool,
+    where: tuple[str, ...],
+    tags: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """List refs under PREFIX (a prefix like runs/r1, or a glob like 'runs/*/phase2/**').
 
-    A ref whose record or manifest cannot be read is named in a warning on stderr and the rest
-    are listed; the exit status stays 0 (`cas verify` fails on it).
+    --where and --tag read each ref's manifest (no tensor data). A ref whose record or manifest
+    cannot be read is named in a warning on stderr and the rest are listed; the exit status
+    stays 0 (`cas verify` fails on it).
     """
     from cas.errors import CASError
+    from cas.model.where import matches_all, parse_conditions
 
+    try:
+        conditions = parse_conditions(where)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--where") from None
+    filtered = bool(conditions or tags)
     repo = obj.open(create=False, readonly=True)
     listing = repo.list_refs(prefix)
     warnings = [str(d) for d in listing.damaged]
@@ -267,7 +305,7 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
             "manifest": record.target,
             "updated": record.history[-1].time,
         }
-        if long_ or as_json:
+        if long_ or as_json or filtered:
             try:
                 manifest = repo.manifest(record.target)
             except CASError as e:
@@ -275,8 +313,18 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
                 warnings.append(f"{record.name}: {row['error']}")
             else:
                 row.update(
-                    kind=manifest.kind, logical_bytes=manifest.logical_bytes(), meta=manifest.meta
+                    kind=manifest.kind,
+                    logical_bytes=manifest.logical_bytes(),
+                    meta=manifest.meta,
+                    message=manifest.message,
+                    tags=list(manifest.tags),
                 )
+            if filtered and not (
+                "meta" in row
+                and set(tags) <= set(row["tags"])
+                and matches_all(conditions, row["meta"])
+            ):
+                continue
         rows.append(row)
     if as_json:
         emit_json(rows)
@@ -284,8 +332,11 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
         if long_:
             step = row["meta"].get("step", "") if "meta" in row else ""
             size = human_bytes(row["logical_bytes"]) if "logical_bytes" in row else "?"
+            labels = "".join(f" [{t}]" for t in row.get("tags", ()))
+            message = f"  {row['message']}" if row.get("message") else ""
             click.echo(
-                f"{row['manifest'][:12]}  {_when(row['updated'])}  {size:>10}  {step!s:>8}  {row['ref']}"
+                f"{row['manifest'][:12]}  {_when(row['updated'])}  {size:>10}  {step!s:>8}  "
+                f"{row['ref']}{labels}{message.splitlines()[0] if message else ''}"
             )
         else:
             click.echo(row["ref"])
@@ -356,19 +407,45 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
             events.append(event)
     except CASError as error:
         damage = error
+    tags = _event_tags(repo, events)
     if as_json:
         emit_json(
             [
-                {"n": i, "manifest": e.target, "time": e.time, "op": e.op, "message": e.message}
+                {
+                    "n": i,
+                    "manifest": e.target,
+                    "time": e.time,
+                    "op": e.op,
+                    "message": e.message,
+                    "tags": tags.get(e.target, []),
+                }
                 for i, e in enumerate(events)
             ]
         )
     else:
         for i, e in enumerate(events):
-            click.echo(f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}")
+            labels = "".join(f" [{t}]" for t in tags.get(e.target, ()))
+            click.echo(
+                f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}{labels}"
+            )
     if damage is not None:
         warn_damaged([f"older history of {ref}: {damage}"])
         sys.exit(1)
+
+
+def _event_tags(repo: Any, events: list[Any]) -> dict[str, list[str]]:
+    """The tags of each checkpoint a history names, read from its manifest once; one that
+    cannot be read (collected by GC, damaged) has none here: `log` lists history, `verify`
+    judges it."""
+    from cas.errors import CASError
+
+    out: dict[str, list[str]] = {}
+    for target in dict.fromkeys(e.target for e in events):
+        try:
+            out[target] = list(repo.manifest(target).tags)
+        except CASError:
+            out[target] = []
+    return out
 
 
 @cli.command()
@@ -428,24 +505,47 @@ def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
 @ref_argument("a")
 @ref_argument("b")
 @click.option("-a", "--all", "show_all", is_flag=True, help="List unchanged entries too (=).")
+@click.option(
+    "--exit-code", is_flag=True, help="Exit 1 when A and B differ, 0 when they do not (as git)."
+)
 @json_option
 @pass_ctx
-def diff(obj: Context, a: str, b: str, show_all: bool, as_json: bool) -> None:
+def diff(obj: Context, a: str, b: str, show_all: bool, exit_code: bool, as_json: bool) -> None:
     """Entries that differ between checkpoints A and B (compared by chunk digests).
 
     The tensors inside ingested .pt and .safetensors files are compared one by one
-    (FILE:TENSOR); two single ingested files are compared whatever their names.
+    (FILE:TENSOR); two single ingested files are compared whatever their names. When no tensor
+    names match but all of one side's start with one prefix (`model.w` against `w`), they are
+    paired without it, and a note says so.
     """
     repo = obj.open(create=False, readonly=True)
     changes = repo.diff(a, b, same=show_all)
+    differ = any(c.change != "same" for c in changes)
     if as_json:
         emit_json([c.__dict__ for c in changes])
-        return
-    marks = {"added": "+", "removed": "-", "changed": "M", "retyped": "T", "same": "="}
-    for c in changes:
-        click.echo(f"{marks[c.change]} {c.path}")
-    if not any(c.change != "same" for c in changes):
-        click.echo("no differences")
+    else:
+        note = _pairing_note(changes, a, b)
+        if note:
+            click.echo(note)
+        marks = {"added": "+", "removed": "-", "changed": "M", "retyped": "T", "same": "="}
+        for c in changes:
+            shown = f"{c.left_path} -> {c.path}" if c.left_path else c.path
+            click.echo(f"{marks[c.change]} {shown}")
+        if not differ:
+            click.echo("no differences")
+    if exit_code and differ:
+        sys.exit(1)
+
+
+def _pairing_note(changes: list[Any], a: str, b: str) -> str | None:
+    """A line saying that tensors were paired under a renamed prefix, if they were."""
+    paired = next((c for c in changes if c.left_path), None)
+    if paired is None:
+        return None
+    left, right = paired.left_path.rpartition(":")[2], paired.path.rpartition(":")[2]
+    if left.endswith(right):
+        return f"note: paired {a}'s tensors with {b}'s without the prefix {left[: -len(right)]!r}"
+    return f"note: paired {b}'s tensors with {a}'s without the prefix {right[: -len(left)]!r}"
 
 
 @cli.command()

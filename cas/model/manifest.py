@@ -11,7 +11,8 @@ Decoding validates every field and bound, so a hostile or corrupt manifest is a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,10 @@ class Manifest:
     created_at: float = 0.0
     parent: Digest | None = None
     chunk_size: int = 0
+    message: str = ""
+    """What the checkpoint is, in the writer's words (``cas put -m``, ``save(message=)``)."""
+    tags: tuple[str, ...] = ()
+    """Labels to find it by (``cas put --tag eval``, ``cas ls --tag eval``)."""
 
     def chunk_refs(self) -> Iterator[ChunkRef]:
         """Every chunk this manifest names, tensors' and files' (repeats possible)."""
@@ -170,6 +175,11 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "meta": manifest.meta,
         "tensors": [_pack_tensor(t) for t in manifest.tensors],
     }
+    # Absent when empty: a manifest without them is byte for byte what older cas wrote.
+    if manifest.message:
+        doc["message"] = manifest.message
+    if manifest.tags:
+        doc["tags"] = list(check_tags(manifest.tags))
     if manifest.kind == "state":
         doc["tree"] = manifest.tree
     else:
@@ -349,6 +359,11 @@ def decode_manifest(data: bytes) -> Manifest:
     chunk_size = doc.get("chunk_size", 0)
     expect(isinstance(created_at, float) or is_int(created_at), "bad created_at")
     expect(is_size(chunk_size, MAX_CHUNK_BYTES), "bad chunk_size")
+    message = doc.get("message", "")
+    expect(isinstance(message, str) and len(message) <= MAX_MESSAGE_LENGTH, "bad message")
+    tags = doc.get("tags", [])
+    expect(isinstance(tags, list) and len(tags) <= MAX_TAGS, "bad tags")
+    expect(all(is_name(t) and _TAG.fullmatch(t) for t in tags), "bad tag")
     return Manifest(
         kind=kind,
         tensors=tensors,
@@ -358,7 +373,38 @@ def decode_manifest(data: bytes) -> Manifest:
         created_at=float(created_at),
         parent=parse_digest(parent) if parent else None,
         chunk_size=chunk_size,
+        message=message,
+        tags=tuple(tags),
     )
+
+
+MAX_MESSAGE_LENGTH = 65536
+MAX_TAGS = 256
+_TAG = re.compile(r"[A-Za-z0-9_.:+@-]{1,128}")
+"""A tag is one word of letters, digits and ``_.:+@-`` (no spaces, no slashes, no globs)."""
+
+
+def check_tags(tags: Iterable[str]) -> tuple[str, ...]:
+    """Validate and de-duplicate tags (order kept); a bad one is a FormatError naming it."""
+    out: list[str] = []
+    for tag in tags:
+        if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+            raise FormatError(
+                f"bad tag {str(tag)[:64]!r}: one word of letters, digits and _.:+@- "
+                "(at most 128 characters)"
+            )
+        if tag not in out:
+            out.append(tag)
+    if len(out) > MAX_TAGS:
+        raise FormatError(f"at most {MAX_TAGS} tags on a checkpoint")
+    return tuple(out)
+
+
+def check_message(message: str) -> str:
+    """Validate a checkpoint's message (a str of at most 64 KiB characters)."""
+    if not isinstance(message, str) or len(message) > MAX_MESSAGE_LENGTH:
+        raise FormatError(f"a message is a str of at most {MAX_MESSAGE_LENGTH} characters")
+    return message
 
 
 def check_meta(metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -90,8 +90,12 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         parent: str | None = None,
         progress: Progress | None = None,
         overwrite: bool = False,
+        message: str = "",
+        tags: Sequence[str] = (),
     ) -> Digest:
         """Ingest a file or a directory (e.g. an HF ``checkpoint-N/``) byte-for-byte under ``ref``.
+
+        ``message`` and ``tags`` are kept with the checkpoint, as in ``save``.
 
         ``parent`` (default: the ref's current target) is the delta base for the tensors inside
         known formats, matched by file and tensor name (or tensor name alone). A gate, a
@@ -109,6 +113,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             parent=parent,
             progress=progress,
             overwrite=overwrite,
+            message=message,
+            tags=tuple(tags),
         )
 
     # -- reading -------------------------------------------------------------------------------
