@@ -337,12 +337,13 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def show(self, ref: str) -> dict[str, Any]:
         """Metadata and a tensor table from the manifest; no tensor data is read.
 
-        Stored sizes come from statting the chunks (``cas.retention.space``): ``stored_bytes`` are
-        the chunks the checkpoint names, ``stored_with_bases`` adds the delta bases it needs.
+        Stored sizes come from statting the objects (``cas.retention.space``): ``stored_bytes`` are
+        the manifest and the chunks the checkpoint names, ``stored_with_bases`` adds the delta
+        bases it needs (what ``cas du`` counts for the ref).
         """
         digest = self.resolve(ref)
         manifest = decode_manifest(self.objects.get_manifest(digest))
-        usage = self.manifest_usage(manifest).as_dict()
+        usage = self.manifest_usage(manifest, digest).as_dict()
         return {
             "ref": ref,
             "manifest": digest,
