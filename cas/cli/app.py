@@ -22,25 +22,71 @@ EXIT_USAGE = 2
 
 @dataclass
 class Context:
-    """What every command receives: the store URL and output preferences."""
+    """What every command receives: the store URL and output preferences.
+
+    ``store`` and ``endpoint_url`` are what the command line or the environment gave; the
+    user's config file (``cas.cli.settings``) fills in what they leave out.
+    """
 
     store: str | None
     endpoint_url: str | None
     quiet: bool
+    _config: Any = None
+
+    def user_config(self) -> Any:
+        """The user's config file, read once (an empty config when there is none)."""
+        if self._config is None:
+            from cas.cli.settings import load_user_config
+
+            self._config = load_user_config()
+        return self._config
+
+    def store_url(self) -> str | None:
+        """``--store`` / ``CAS_STORE``, else the config's ``core.store``, else None (the
+        default location)."""
+        if self.store:
+            return self.store
+        configured: str | None = self.user_config().core.get("store")
+        return os.path.expanduser(configured) if configured else None
 
     def open(self, *, create: bool = True, readonly: bool = False) -> Any:
         """Open the ``--store`` store (imported lazily so ``cas --help`` stays fast)."""
-        return self.open_url(self.store, create=create, readonly=readonly)
+        return self.open_url(self.store_url(), create=create, readonly=readonly)
 
-    def open_url(self, url: str | None, **kw: Any) -> Any:
-        """Open a store by URL (None: the default); ``--endpoint-url`` applies to S3 URLs only."""
+    def open_url(self, url: str | None, endpoint_url: str | None = None, **kw: Any) -> Any:
+        """Open a store by URL (None: the default). ``endpoint_url`` (a remote's own), else
+        ``--endpoint-url`` / ``AWS_ENDPOINT_URL``, else the config's, applies to S3 URLs only."""
         from cas.repo.opening import open as open_store
 
         options: dict[str, Any] = {}
-        # AWS_ENDPOINT_URL feeds --endpoint-url; only S3 stores take it (a local one would fail).
-        if self.endpoint_url and (url or "").startswith(("s3://", "s3a://")):
-            options["endpoint_url"] = self.endpoint_url
+        endpoint = endpoint_url or self.endpoint_url
+        if endpoint is None and (url or "").startswith(("s3://", "s3a://")):
+            endpoint = self.user_config().core.get("endpoint_url")
+        # Only S3 stores take an endpoint (a local one would fail).
+        if endpoint and (url or "").startswith(("s3://", "s3a://")):
+            options["endpoint_url"] = endpoint
         return open_store(url, **kw, **options)
+
+    def remote(self, spec: str, local: Any = None) -> Any:
+        """The ``Remote`` that ``--to`` / ``--from`` SPEC names: a remote of the store
+        ``local`` (if given), else of the user's config, else SPEC itself as a URL or path.
+        A remote's name wins over a directory of the same name (write ``./NAME`` for that)."""
+        from cas.cli.settings import Remote, is_remote_name, store_remotes
+
+        if is_remote_name(spec):
+            if local is not None:
+                found = store_remotes(local.config.extra).get(spec)
+                if found is not None:
+                    return found
+            found = self.user_config().remotes.get(spec)
+            if found is not None:
+                return found
+        return Remote(spec, spec, None, "url")
+
+    def open_remote(self, spec: str, local: Any = None, **kw: Any) -> Any:
+        """Open the store ``spec`` names (a remote's name, a URL or a path)."""
+        remote = self.remote(spec, local)
+        return self.open_url(remote.url, remote.endpoint_url, **kw)
 
 
 GLOBAL_VALUE_OPTIONS = ("--store", "--endpoint-url")

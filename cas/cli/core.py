@@ -58,12 +58,11 @@ def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool)
         standalone_codec(codec, 1)  # an unknown name is an error here
         config = replace(config, codec=codec)
     from cas.errors import AlreadyExists, NotFound
-    from cas.repo.opening import open as open_store
 
     try:  # an existing store's settings are compared below, with the options given
-        repo = open_store(obj.store, create=False)
+        repo = obj.open_url(obj.store_url(), create=False)
     except NotFound:
-        repo = open_store(obj.store, config=config.validate())
+        repo = obj.open_url(obj.store_url(), config=config.validate())
     asked = {"chunk_size": chunk_size, "codec": codec}
     ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
     if ignored:
@@ -562,8 +561,9 @@ def _pairing_note(changes: list[Any], a: str, b: str) -> str | None:
     "--repair-from",
     "repair_url",
     default=None,
-    metavar="URL",
-    help="Copy good copies of missing or corrupt objects from this store (implies --full).",
+    metavar="REMOTE|URL",
+    help="Copy good copies of missing or corrupt objects from this store or remote "
+    "(implies --full).",
 )
 @json_option
 @pass_ctx
@@ -624,7 +624,7 @@ def _print_verify(report: Any) -> None:
 def _verify_and_repair(obj: Context, refs: tuple[str, ...], url: str, as_json: bool) -> None:
     """``verify --full --repair-from URL``: heal from another store, report what stays broken."""
     repo = obj.open(create=False)
-    source = obj.open_url(url, create=False, readonly=True)
+    source = obj.open_remote(url, repo, create=False, readonly=True)
     with progress_bar(obj, None, "verify") as update:
         result = repo.repair_from(source, refs or ("",), progress=update)
     if as_json:
