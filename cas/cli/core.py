@@ -250,7 +250,7 @@ def cat(obj: Context, spec: str) -> None:
     """
     repo = obj.open(create=False, readonly=True)
     chunks = repo.iter_file(spec)
-    out = click.get_binary_stream("stdout")
+    out = sys.stdout.buffer
     for chunk in chunks:
         out.write(chunk)
     out.flush()

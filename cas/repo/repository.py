@@ -282,7 +282,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
                 return head, "/".join(parts[cut:]) or None
         return spec, None  # resolving it raises the NotFound that names it
 
-    def iter_file(self, spec: str) -> Iterator[memoryview]:
+    def iter_file(self, spec: str) -> Iterator[bytes | memoryview]:
         """The verified bytes of one ingested file, chunk by chunk: ``spec`` is ``REF/path`` (a
         file of an ingested directory) or the ``REF`` of a single ingested file."""
         ref, path = self.split_file_spec(spec)
