@@ -18,6 +18,7 @@ from cas.cli import cli
 from cas.cli.app import progress_hidden
 
 NO_JSON = {
+    "cat": "writes the bytes of a stored file to stdout",
     "completion": "prints a shell script",
     "mount": "serves a file system in the foreground; prints nothing",
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cas.cli import content as _content  # noqa: F401  (show, cat, diff)
 from cas.cli import core as _core  # noqa: F401  (registers commands)
 from cas.cli import gc as _gc  # noqa: F401  (gc, du, stats, leases, unlock)
 from cas.cli import history as _history  # noqa: F401  (history)

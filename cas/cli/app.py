@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -377,6 +378,11 @@ def progress_bar(obj: Context, total: int | None, desc: str) -> Iterator[Callabl
     """``byte_bar`` as a plain ``update(nbytes)`` callback."""
     with byte_bar(obj, total, desc) as bar:
         yield bar.update
+
+
+def utc_time(ts: float) -> str:
+    """A timestamp as ``2026-01-15 14:30:22`` (UTC), as listings print it."""
+    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def human_bytes(n: float) -> str:

@@ -351,6 +351,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             "created_at": manifest.created_at,
             "parent": manifest.parent,
             "meta": manifest.meta,
+            "message": manifest.message,
+            "tags": list(manifest.tags),
             "logical_bytes": manifest.logical_bytes(),
             "chunks": len({c.digest for c in manifest.chunk_refs()}),
             **{k: v for k, v in usage.items() if k not in ("logical_bytes", "chunks")},
