@@ -161,7 +161,7 @@ class CASGroup(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         """Global options are hoisted in front of the command before click parses them."""
-        if ctx.parent is None and not ctx.resilient_parsing:
+        if ctx.parent is None:  # shell completion parses this way too: `cas ls --store X r<Tab>`
             args = hoist_global_options(self, args)
         return super().parse_args(ctx, args)
 
