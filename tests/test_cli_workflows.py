@@ -210,6 +210,8 @@ def test_save_keeps_message_and_tags_in_python(tmp_path: Path) -> None:
     assert (manifest.message, manifest.tags) == ("fine-tune v2", ("eval", "best"))
     rows = json.loads(_ok("--store", str(tmp_path / "store"), "ls", "--json").output)
     assert rows[0]["message"] == "fine-tune v2" and rows[0]["tags"] == ["eval", "best"]
+    repo.cp("r", "weights", only="w")  # a subset copy keeps what the checkpoint is
+    assert repo.manifest("weights").tags == ("eval", "best")
     with pytest.raises(FormatError, match="bad tag"):
         repo.save({"w": torch.ones(3)}, "r2", tags=["two words"])
 
