@@ -1,4 +1,4 @@
-"""Core commands: init, put, get, ls, log, cp, rm, verify (show, cat and diff: cas.cli.content)."""
+"""Core commands: put, get, ls, log, cp, rm, verify (init: ``store``; show, cat, diff: ``content``)."""
 
 from __future__ import annotations
 
@@ -28,50 +28,6 @@ def _tree_size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-@cli.command()
-@click.option("--chunk-size", type=int, default=None, help="Tensor chunk size in bytes [4 MiB].")
-@click.option(
-    "--codec",
-    default=None,
-    help="Default codec for new chunks: raw (hot, memory-mappable), shuffle-zstd, shuffle-lz4 "
-    "(faster, larger), zstd, or auto (per tensor, deltas against the last keyframe) [raw].",
-)
-@json_option
-@pass_ctx
-def init(obj: Context, chunk_size: int | None, codec: str | None, as_json: bool) -> None:
-    """Create a store (other commands create one on first use too)."""
-    from dataclasses import replace
-
-    from cas.objects.encoding import standalone_codec
-    from cas.repo.config import StoreConfig
-
-    config = StoreConfig()
-    if chunk_size is not None:
-        config = replace(config, chunk_size=chunk_size)
-    if codec:
-        standalone_codec(codec, 1)  # an unknown name is an error here
-        config = replace(config, codec=codec)
-    from cas.errors import AlreadyExists, NotFound
-
-    try:  # an existing store's settings are compared below, with the options given
-        repo = obj.open_url(obj.store_url(), create=False)
-    except NotFound:
-        repo = obj.open_url(obj.store_url(), config=config.validate())
-    asked = {"chunk_size": chunk_size, "codec": codec}
-    ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
-    if ignored:
-        raise AlreadyExists(
-            f"a store already exists at {repo.url} with another {' and '.join(ignored)} "
-            f"({', '.join(f'{k} {getattr(repo.config, k)}' for k in ignored)})"
-        )
-    if as_json:
-        emit_json({"store": repo.url, "config": repo.config.__dict__})
-    else:
-        click.echo(
-            f"store {repo.url} (chunk size {human_bytes(repo.config.chunk_size)}, codec {repo.config.codec})"
-        )
 
 
 @cli.command()
