@@ -21,6 +21,7 @@ NO_JSON = {
     "cat": "writes the bytes of a stored file to stdout",
     "completion": "prints a shell script",
     "mount": "serves a file system in the foreground; prints nothing",
+    "ui": "serves a web view in the foreground; its pages answer JSON themselves",
 }
 """Commands that print no report, so a --json has nothing to say."""
 

@@ -65,7 +65,8 @@ def cat(obj: Context, spec: str) -> None:
     """Write one ingested file to stdout, byte-identical: REF/PATH for a file of an ingested
     directory (`cas cat runs/r1/checkpoint-500/config.json`), REF for a single ingested file.
 
-    Streams chunk by chunk, each verified before it is written; memory stays one chunk.
+    Streams chunk by chunk, each verified before it is written; memory holds the few chunks
+    read ahead, whatever the file's size.
     """
     repo = obj.open(create=False, readonly=True)
     chunks = repo.iter_file(spec)
