@@ -173,6 +173,15 @@ def test_diff_pairs_tensors_saved_under_a_model_prefix_with_unprefixed_ones(
             "left_path": "model.b",
         }
     ]
+    # An ingested safetensors file of the bare state dict pairs with the wrapped state.
+    save_file({"w": w, "b": b}, tmp_path / "model.safetensors")
+    repo.put_path(tmp_path / "model.safetensors", "hf")
+    rows = json.loads(_ok("--store", str(store), "diff", "wrapped", "hf", "--all", "--json").output)
+    paired = {r["path"]: (r["change"], r["left_path"]) for r in rows if r["kind"] == "tensor"}
+    assert paired == {
+        "model.safetensors:b": ("same", "model.b"),
+        "model.safetensors:w": ("same", "model.w"),
+    }
     # Names that already match are compared as they are.
     repo.save({"model": {"w": w}, "w": w}, "both")
     assert "prefix" not in _ok("--store", str(store), "diff", "both", "bare").output

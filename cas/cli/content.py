@@ -118,6 +118,8 @@ def _pairing_note(changes: list[Any], a: str, b: str) -> str | None:
     if paired is None:
         return None
     left, right = paired.left_path.rpartition(":")[2], paired.path.rpartition(":")[2]
+    if left == right:
+        return f"note: paired the tensors of {a} and {b} by name (one side's are inside a file)"
     if left.endswith(right):
         return f"note: paired {a}'s tensors with {b}'s without the prefix {left[: -len(right)]!r}"
     return f"note: paired {b}'s tensors with {a}'s without the prefix {right[: -len(left)]!r}"

@@ -42,10 +42,16 @@ class DiffEntry:
 @dataclass(frozen=True)
 class PrefixPairing:
     """Two checkpoints whose tensors share no name but do once one side's prefix is dropped
-    (``model.w`` against ``w``): the side (``a`` or ``b``) and the prefix dropped."""
+    (``model.w`` against ``w``): the side (``a`` or ``b``, empty for none) and the prefix.
+
+    ``by_name`` compares the tensors inside one ingested file by name alone (a state's
+    ``model.w`` against ``model.safetensors:w``): each side's tensors are all of one file, or all
+    saved from Python.
+    """
 
     side: str
     prefix: str
+    by_name: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,12 +157,19 @@ def _keyed(
     rows: list[_Comparable], pairing: PrefixPairing | None, side: str
 ) -> dict[str, _Comparable]:
     """Rows by the name they are compared under: the path, with the paired prefix dropped."""
-    if pairing is None or pairing.side != side:
+    if pairing is None:
         return {row.path: row for row in rows}
     return {
-        _drop_prefix(row.path, pairing.prefix) if row.kind == "tensor" else row.path: row
+        _pair_key(row.path, pairing, side) if row.kind == "tensor" else row.path: row
         for row in rows
     }
+
+
+def _pair_key(path: str, pairing: PrefixPairing, side: str) -> str:
+    head, name = _split_tensor_path(path)
+    if pairing.side == side:
+        name = name.removeprefix(pairing.prefix)
+    return name if pairing.by_name else head + name
 
 
 def _split_tensor_path(path: str) -> tuple[str, str]:
@@ -165,15 +178,11 @@ def _split_tensor_path(path: str) -> tuple[str, str]:
     return (head + sep, name) if sep else ("", path)
 
 
-def _drop_prefix(path: str, prefix: str) -> str:
-    head, name = _split_tensor_path(path)
-    return head + name.removeprefix(prefix)
-
-
 def prefix_pairing(left: Manifest, right: Manifest) -> PrefixPairing | None:
     """How ``diff_manifests`` pairs two checkpoints' tensors that share no name: when every
     tensor of one side starts with one dotted prefix (``model.``) and dropping it gives names
-    the other side has. None when some names already match, or no such prefix exists."""
+    the other side has, or when the tensors of one file match a state's (or another file's) by
+    name. None when some names already match, or nothing pairs them."""
     left_file, right_file = _single_file(left), _single_file(right)
     rename = {left_file: right_file} if left_file and right_file else None
     return _pairing(_digest_table(left, rename), _digest_table(right))
@@ -184,6 +193,14 @@ def _pairing(left: list[_Comparable], right: list[_Comparable]) -> PrefixPairing
     b = {row.path for row in right if row.kind == "tensor"}
     if not a or not b or a & b:
         return None
+    heads_a = {_split_tensor_path(p)[0] for p in a}
+    heads_b = {_split_tensor_path(p)[0] for p in b}
+    # One file against a state (or another file): its tensors are compared by name alone.
+    by_name = len(heads_a) == len(heads_b) == 1 and heads_a != heads_b
+    if by_name and _keys(a, PrefixPairing("", "", True), "a") & _keys(
+        b, PrefixPairing("", "", True), "b"
+    ):
+        return PrefixPairing("", "", True)
     for side, names, other in (("a", a, b), ("b", b, a)):
         firsts = {_split_tensor_path(n)[1].partition(".") for n in names}
         if any(not dot or not rest for _, dot, rest in firsts):
@@ -191,7 +208,11 @@ def _pairing(left: list[_Comparable], right: list[_Comparable]) -> PrefixPairing
         prefixes = {head + "." for head, _, _ in firsts}
         if len(prefixes) != 1:
             continue
-        (prefix,) = prefixes
-        if {_drop_prefix(n, prefix) for n in names} & other:
-            return PrefixPairing(side, prefix)
+        pairing = PrefixPairing(side, prefixes.pop(), by_name)
+        if _keys(names, pairing, side) & _keys(other, pairing, "b" if side == "a" else "a"):
+            return pairing
     return None
+
+
+def _keys(paths: set[str], pairing: PrefixPairing, side: str) -> set[str]:
+    return {_pair_key(p, pairing, side) for p in paths}
