@@ -226,9 +226,10 @@ class HousekeepingOperations:
         """Object counts, and how much dedup and compression save."""
         return store_stats(self.stores)
 
-    def manifest_usage(self, manifest: Manifest) -> Usage:
-        """Logical and stored bytes of one checkpoint, with and without its delta bases."""
-        return manifest_usage(self.stores, manifest)
+    def manifest_usage(self, manifest: Manifest, digest: Digest | None = None) -> Usage:
+        """Logical and stored bytes of one checkpoint, with and without its delta bases (and
+        its stored manifest, given its ``digest``)."""
+        return manifest_usage(self.stores, manifest, digest)
 
     def stored_bytes(self, digests: Iterable[Digest]) -> int:
         """Bytes the distinct chunks among ``digests`` occupy in the store (missing ones 0)."""
