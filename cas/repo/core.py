@@ -24,7 +24,9 @@ from cas.model.limits import ReadLimits
 from cas.model.manifest import (
     Manifest,
     TensorEntry,
+    check_message,
     check_meta,
+    check_tags,
     decode_manifest,
     encode_manifest,
 )
@@ -175,12 +177,17 @@ class RepositoryCore(RefOperations):
         expected: Digest | Any | None = _ANY,
         codec: str | None = None,
         message: str = "",
+        tags: Sequence[str] = (),
         progress: Progress | None = None,
         overwrite: bool = False,
         store_as: dict[str, str] | None = None,
         lossy_delta: float | dict[str, float] | None = None,
     ) -> Digest:
         """Store a nested training state under ``ref``; return the manifest digest.
+
+        ``message`` (what this checkpoint is) and ``tags`` (labels such as ``eval``) are kept in
+        the manifest, shown by ``cas ls -l`` and ``cas log``, and ``cas ls --tag`` filters on them;
+        the message is also the ref history's entry.
 
         ``parent`` names the previous checkpoint (default: the ref's current target), which is
         also the delta base: with codec ``"auto"`` each tensor may be stored as a delta against
@@ -195,6 +202,8 @@ class RepositoryCore(RefOperations):
         every element that changed by less than that.
         """
         name = parse_ref_name(ref)
+        labels = check_tags(tags)
+        check_message(message)
         if expected is _ANY:  # a compare-and-swap is refused at the commit, by the ref's state
             self.check_replaceable(name, overwrite=overwrite)
         meta = check_meta(metadata)
@@ -216,6 +225,8 @@ class RepositoryCore(RefOperations):
                 created_at=self.clock(),
                 parent=parent_digest,
                 chunk_size=self.config.chunk_size,
+                message=message,
+                tags=labels,
             )
             try:
                 return self.commit(

@@ -1,6 +1,8 @@
 """Planning retention: a policy's rules applied to every ref, as a ForgetPlan, and executing it.
 
-``plan_forget`` reads every ref's manifest, groups the refs each rule selects, marks them
+``plan_forget`` reads every ref's manifest (a ref whose record or manifest cannot be read is kept,
+counted by no rule and reported in ``ForgetPlan.damaged``: the others are planned as if it were
+not there), groups the refs each rule selects, marks them
 protected / kept / dropped as ``cas.retention.policy`` describes, then enforces the size budget
 with reference counts over the kept refs (``cas.retention.space.Accounting``), so each dropped
 ref is charged only the bytes no kept ref shares. A plan changes nothing until ``execute()``.
@@ -22,6 +24,7 @@ from typing import Any
 from cas.digest import Digest
 from cas.errors import NotFound, RefConflict
 from cas.names import ref_matches
+from cas.refs.listing import DamagedRef, list_refs
 from cas.refs.records import RefRecord
 from cas.refs.stores import Stores
 from cas.retention.evictions import append_evictions
@@ -57,6 +60,8 @@ class ForgetResult:
     skipped: tuple[tuple[str, str], ...]
     """``(ref, why)`` for refs not removed: moved since the plan, or already gone."""
     logged: int
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class ForgetPlan:
     take_snapshots: Callable[[], object] | None = field(default=None, repr=False, compare=False)
     """Takes the policy's missing daily snapshots; ``execute`` calls it before removing any ref,
     as ``Repository.forget`` does (``Repository.plan_forget`` sets it)."""
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
     @property
     def dropped(self) -> tuple[RefDecision, ...]:
@@ -131,7 +138,7 @@ class ForgetPlan:
                     skipped.append((d.ref, "moved since the plan"))
                 except NotFound:
                     skipped.append((d.ref, "already gone"))
-        return ForgetResult(tuple(removed), tuple(skipped), logged)
+        return ForgetResult(tuple(removed), tuple(skipped), logged, self.damaged)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
@@ -144,6 +151,7 @@ class ForgetPlan:
             "warnings": list(self.warnings),
             "drop": [_decision_dict(d) for d in self.dropped],
             "keep": [_decision_dict(d) for d in self.kept],
+            "damaged": [d.to_dict() for d in self.damaged],
         }
 
     def summary(self, *, show_kept: bool = True) -> list[str]:
@@ -162,6 +170,10 @@ class ForgetPlan:
             f"(freed by `cas gc` after the grace period)"
         )
         lines.extend(f"WARNING: {w}" for w in self.warnings)
+        lines.extend(
+            f"WARNING: kept damaged ref {d.ref}: {d.error.splitlines()[0] if d.error else '?'}"
+            for d in self.damaged
+        )
         return lines
 
 
@@ -268,7 +280,9 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
     # Daily snapshots are retained by rules of their own, ahead of the policy's.
     policy = replace(policy, rules=policy.effective_rules(), snapshots=())
     zone = zone_of(policy.timezone)
-    contents = read_contents(stores, stores.refs.records())
+    listing = list_refs(stores.refs)
+    damaged = list(listing.damaged)
+    contents = read_contents(stores, listing.records, damaged)
     entries = [_classify(policy, c) for c in contents]
     groups: dict[tuple[int, str], list[_Entry]] = defaultdict(list)
     for entry in entries:
@@ -291,7 +305,8 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
         entry.frees = accounting.drop(entry.content)
     if policy.max_total_bytes and accounting.total > policy.max_total_bytes:
         warnings.extend(_enforce_budget(policy, entries, accounting))
-    return _build_plan(stores, policy, now, entries, accounting, warnings)
+    plan = _build_plan(stores, policy, now, entries, accounting, warnings)
+    return replace(plan, damaged=tuple(sorted(damaged, key=lambda d: d.ref)))
 
 
 def _classify(policy: RetentionPolicy, content: RefContent) -> _Entry:
