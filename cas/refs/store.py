@@ -336,7 +336,9 @@ class RefStore:
         event = RefEvent(parse_digest(target), self.clock(), op, message)
         if current is None:
             return RefRecord(ref, event.target, (event,))
-        record = replace(current, target=event.target, history=(*current.history, event))
+        record = replace(
+            current, target=event.target, history=(*current.history, event), ignored_history=0
+        )
         if len(record.history) > INLINE_HISTORY:
             record = self._seal(record)
         return record
