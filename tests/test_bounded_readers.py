@@ -28,7 +28,9 @@ from cas.model.bounded import (
     unpack_bounded,
 )
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry, decode_manifest, encode_manifest
+from cas.refs.maintenance import parse_lock
 from cas.refs.records import MAX_STORED_HISTORY
+from cas.refs.sweeps import SWEEP_KEY, read_sweep
 from tests import hostile
 from tests.hostile import HOSTILE_REF, tensor_leaf
 from tests.test_hostile_stores import measured
@@ -190,3 +192,22 @@ def test_a_large_real_manifest_still_decodes() -> None:
     data = encode_manifest(manifest)
     assert len(data) * MAX_AMPLIFICATION > DECODE_FLOOR  # large enough to be measured
     assert decode_manifest(data) == manifest
+
+
+def test_a_lock_or_sweep_record_nested_100k_deep_reads_as_unreadable_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    nested = b"[" * 100_000 + b"]" * 100_000
+    assert parse_lock(nested) is None
+    with cas.open(tmp_path / "store") as repo:
+        repo.blobs.put(SWEEP_KEY, nested)
+        assert read_sweep(repo.blobs).sweeping  # unreadable: taken as a batch in progress
+
+
+def test_a_store_config_nested_100k_deep_is_one_line(tmp_path: Path) -> None:
+    cas.open(tmp_path / "store").close()
+    (tmp_path / "store" / "config").write_bytes(b"[" * 100_000)
+    rc, stderr, _ = measured(sys.executable, "-m", "cas", "--store", str(tmp_path / "store"), "ls")
+    assert rc == 1 and stderr.strip() == (
+        "cas: error: FormatError: store config nests deeper than a record can"
+    )

@@ -15,6 +15,7 @@ manifest's chunk digests do not compress, and its names and keys decode to a few
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import Callable
@@ -269,3 +270,22 @@ def unpack_bounded(
     except Exception as e:
         reason = str(e) or type(e).__name__
         raise _refuse(what, f"is not valid msgpack: {reason}") from e
+
+
+MAX_RECORD_JSON = 1 << 20
+"""Bytes a small JSON record (lease, lock, sweep, quarantine, store config) may take: the largest
+cas writes, a lease naming the refs it commits, stays far below."""
+
+
+def load_record_json(data: bytes, what: str, limit: int = MAX_RECORD_JSON) -> Any:
+    """A small JSON record, or one FormatError naming ``what`` and the limit: larger than
+    ``limit`` bytes (its objects then cost at most some 30 times that), nested deeper than
+    Python's recursion limit, or not JSON."""
+    if len(data) > limit:
+        raise _refuse(what, f"is {format_size(len(data))}, above the limit of {format_size(limit)}")
+    try:
+        return json.loads(data)
+    except RecursionError as e:
+        raise _refuse(what, "nests deeper than a record can") from e
+    except ValueError as e:
+        raise _refuse(what, f"is not valid JSON: {e}") from e
