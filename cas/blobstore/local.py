@@ -21,6 +21,7 @@ from cas.blobstore.base import (
     Payload,
     Version,
     check_key,
+    open_local_blob,
     parts_of,
 )
 from cas.blobstore.direct import AlignedBuffers, DirectIOUnsupported, wants_direct, write_direct
@@ -124,7 +125,7 @@ class LocalBlobStore(BlobStore):
         small chunk from the page cache."""
         path = os.path.join(self._root_str, check_key(key))
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_local_blob(path, key)
             try:
                 if length is None:
                     length = max(0, os.fstat(fd).st_size - start)
@@ -370,10 +371,14 @@ class LocalBlobStore(BlobStore):
 
     def _current_version(self, path: Path) -> Version | None:
         try:
-            with open(path, "rb") as f:
-                return Version(digest_of(f.read()))
-        except _MISSING:
+            fd = open_local_blob(path, str(path.relative_to(self.root)))
+        except NotFound:
             return None
+        except OSError as e:
+            raise _backend_error("reading", path, e) from e
+        try:
+            with open(fd, "rb") as f:
+                return Version(digest_of(f.read()))
         except OSError as e:
             raise _backend_error("reading", path, e) from e
 
