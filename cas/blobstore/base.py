@@ -56,11 +56,12 @@ def open_local_blob(path: str | os.PathLike[str], key: str) -> int:
         os.close(fd)
         if stat.S_ISDIR(mode):
             raise NotFound(f"no blob {key!r}: a directory of blobs")
-        raise IntegrityError(f"blob {key!r} is {_file_kind(mode)}, not a regular file")
+        raise IntegrityError(f"blob {key!r} is {file_kind(mode)}, not a regular file")
     return fd
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` that is not a regular file is, for a message: "a FIFO"..."""
     for test, kind in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),

@@ -262,7 +262,10 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
     size, fmt, mode = raw.get("size"), raw.get("format"), raw.get("mode", 0o644)
     expect(is_size(size, MAX_ELEMENT_BYTES), "bad file size")
     expect(is_name(fmt), "bad file format")
-    expect(is_size(mode, 0o7777), "bad file mode")
+    # Permission bits only: cas never stores setuid, setgid or sticky bits (``docs/format.md``),
+    # and a store that declares them is not one to restore them from.
+    shown = oct(mode) if is_int(mode) else str(mode)[:24]
+    expect(is_size(mode, 0o777), f"file mode {shown} is not permission bits (0o777 at most)")
     raw_regions = raw.get("regions", [])
     expect(isinstance(raw_regions, list), "file regions are not a list")
     regions = []
@@ -272,9 +275,7 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
         expect(is_name(name) and is_int(index) and 0 <= index < tensor_count, "bad region")
         expect(is_size(offset, size), "bad region offset")
         regions.append(FileRegion(name, index, offset))
-    return FileEntry(
-        size, fmt, _unpack_chunks(raw.get("chunks"), size, refs), tuple(regions), mode & 0o777
-    )
+    return FileEntry(size, fmt, _unpack_chunks(raw.get("chunks"), size, refs), tuple(regions), mode)
 
 
 def decode_manifest(data: bytes) -> Manifest:

@@ -451,7 +451,7 @@ class ObjectStore:
             missing = NotFound(f"manifest {digest} is missing from the store")
             raise self._missing(ObjectKind.MANIFEST, digest, missing) from e
         try:
-            decoded = bytes(self.chains.decode(digest, blob))
+            decoded = bytes(self.chains.decode(digest, blob, "manifest"))
             if digest_of(decoded) != digest:
                 raise IntegrityError(
                     f"manifest {digest} is corrupt: its bytes hash to something else"
