@@ -133,6 +133,21 @@ class Manifest:
             digests.update(tensor.base_digests())
         return digests
 
+    def bases_by_chunk(self) -> dict[Digest, set[Digest]]:
+        """Each chunk GC keeps for this manifest -> the delta bases it lists for that chunk.
+
+        GC keeps exactly these (invariant 4), so a stored chunk that is a delta against any
+        other base breaks once that base is swept. An entry's bases are its chunks' whole
+        chains, so a base may itself be a delta against another base of the same entry; file
+        chunks are allowed none.
+        """
+        allowed: dict[Digest, set[Digest]] = {d: set() for d in self.chunk_digests()}
+        for tensor in self.tensors:
+            bases = set(tensor.base_digests())
+            for digest in [*(ref.digest for ref in tensor.chunks), *bases]:
+                allowed[digest].update(bases)
+        return allowed
+
     def logical_bytes(self) -> int:
         """Bytes a reader gets back: tensor bytes for a state, file bytes for files."""
         if self.kind == "files":
