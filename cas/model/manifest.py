@@ -298,12 +298,16 @@ def decode_manifest(data: bytes) -> Manifest:
     bounds (``cas.model.schema``), or bytes that would cost more memory to decode than their size
     allows (``cas.model.bounded``) is a FormatError."""
     expect(len(data) <= MAX_MANIFEST_BYTES, "manifest too large")
-    doc = unpack_bounded(
-        data,
-        "manifest",
-        max_depth=MAX_MANIFEST_NESTING,
-        share=bytes,
-    )
+    refused = None
+    try:
+        doc = unpack_bounded(data, "manifest", max_depth=MAX_MANIFEST_NESTING, share=bytes)
+    except FormatError as e:
+        refused = str(e)
+    if refused is not None:
+        # Raised afresh, with the bytes let go: a caller that keeps the error to report it
+        # (a damaged ref of a listing) must not keep tens of MB of refused manifest alive.
+        del data
+        raise FormatError(refused)
     expect(isinstance(doc, dict), "top level is not a map")
     if doc.get("format") != MANIFEST_FORMAT:
         raise FormatError("not a cas manifest")

@@ -197,7 +197,10 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
     if len(data) > MAX_REF_BLOB:
         raise FormatError(f"ref {name!r} is larger than {MAX_REF_BLOB} bytes")
     try:
-        doc: Any = _unpack(data, f"ref {name!r}")
+        try:
+            doc: Any = _unpack(data, "its record")
+        except FormatError as e:
+            raise FormatError(f"ref {name!r} is corrupt: {e}") from None
         if not isinstance(doc, dict) or doc.get("format") != REF_FORMAT:
             raise FormatError(f"ref {name!r} is not a cas ref")
         if doc.get("version") == REF_VERSION_FENCE and "target" not in doc:
@@ -313,8 +316,10 @@ def decode_stored(key: str, data: bytes, version: Version | None) -> RefRecord:
     if len(data) > MAX_REF_BLOB:
         raise FormatError(f"ref blob {key!r} is larger than {MAX_REF_BLOB} bytes")
     try:
-        doc: Any = _unpack(data, f"ref blob {key!r}")
+        doc: Any = _unpack(data, "its record")
         name = parse_ref_name(doc["name"])
+    except (FormatError, KeyError, TypeError) as e:
+        raise FormatError(f"ref blob {key!r} is corrupt: {e}") from None
     except CASError:
         raise
     except Exception as e:
