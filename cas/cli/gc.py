@@ -165,6 +165,9 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
 def stats(obj: Context, as_json: bool) -> None:
     """Chunk, manifest and ref counts, and how much dedup and compression save.
 
+    stored counts what `cas du` and `cas show` count: chunks and manifests (small tensors live
+    in manifests), each once; the dedup ratio is logical bytes over those stored bytes.
+
     A ref whose record or manifest cannot be read is named on stderr and not counted.
     """
     repo = obj.open(create=False, readonly=True)
@@ -179,9 +182,13 @@ def stats(obj: Context, as_json: bool) -> None:
         f"chunks         {s.chunks} ({human_bytes(s.chunk_bytes)}), {s.reachable_chunks} reachable"
     )
     click.echo(f"logical        {human_bytes(s.logical_bytes)} (every ref as a full copy)")
-    click.echo(f"unique         {human_bytes(s.unique_bytes)} -> dedup ratio {s.dedup_ratio:.2f}x")
     click.echo(
-        f"stored         {human_bytes(s.reachable_stored_bytes)} -> compression ratio {s.compression_ratio:.2f}x"
+        f"stored         {human_bytes(s.stored_bytes)} (chunks and manifests refs reach, as "
+        f"`cas du`) -> dedup ratio {s.dedup_ratio:.2f}x (logical / stored)"
+    )
+    click.echo(
+        f"unique         {human_bytes(s.unique_bytes)} decoded in reachable chunks -> "
+        f"compression ratio {s.compression_ratio:.2f}x"
     )
     click.echo(
         f"unreachable    {human_bytes(s.unreachable_bytes)} (freed by `cas gc` after the grace period)"
