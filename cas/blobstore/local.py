@@ -154,6 +154,11 @@ class LocalBlobStore(BlobStore):
         return self.root
 
     @property
+    def mtime_resolution(self) -> float:
+        """A file's mtime comes from the kernel's coarse clock, up to a tick (<= 10 ms) behind."""
+        return 0.01
+
+    @property
     def supports_rename(self) -> bool:
         return True
 
