@@ -442,8 +442,8 @@ def test_two_maintenance_runs_never_interleave(tmp_path: Path) -> None:
         with pytest.raises(LockHeld):
             repo.plan_gc(NO_GRACE)
     repo.forget(policy)  # released
-    MaintenanceLock(repo.blobs, storage_time, duration=60).acquire()
-    clock.advance(61)  # its holder died: once expired the lock is taken over
+    # A run took the lock 61 s ago on the storage's clock and died: once expired, it is taken over.
+    MaintenanceLock(repo.blobs, lambda: storage_time() - 61, duration=60).acquire()
     repo.forget(policy)
     assert CliRunner().invoke(cli, ["--store", str(tmp_path), "leases"]).output.endswith("free\n")
 
