@@ -3,8 +3,10 @@
     python scripts/soak_liveness.py --minutes 3                 # a local store in a temp dir
     python scripts/soak_liveness.py --minutes 3 --s3            # a SeaweedFS of its own
 
-Starts the chosen writers (``--writers pidns,behind``: one under ``unshare --pid --fork
---mount-proc``, as root; one whose wall clock libfaketime sets 300 s back) that each save
+Starts the chosen writers (``--writers``: ``pidns`` under ``unshare --pid --fork --mount-proc``,
+as root; ``behind``, whose cas runs on a clock 300 s back; ``faketime``, whose whole process clock
+libfaketime sets 300 s back, faithful on S3 only, since it also fakes the time ``utime(NULL)``
+stamps on a local file; ``plain``) that each save
 ``w<N>/ckpt_*`` in a loop (``tests.gc_workers``: every save re-read in full before it is removed,
 the newest two kept), while this process runs ``plan_gc(grace 0).execute()`` back to back. At the
 end every kept checkpoint must load bit-exact. Prints JSON: saves reported, saves lost (a
@@ -50,13 +52,15 @@ def _writer(kind: str, store: str, index: int, seconds: float, out: Path) -> sub
         if reason:
             raise SystemExit(f"soak: {reason}")
         argv = in_pid_namespace(argv)
-    elif kind == "behind":
+    elif kind == "behind":  # its cas runs on a clock 300 s behind
+        argv.append(str(BEHIND))
+    elif kind == "faketime":  # the whole process's clock is 300 s behind (libfaketime)
         reason = faketime_unavailable()
         if reason:
             raise SystemExit(f"soak: {reason}")
         env = clock_offset_env(BEHIND, env)
-    else:
-        raise SystemExit(f"soak: unknown writer {kind!r} (pidns, behind)")
+    elif kind != "plain":
+        raise SystemExit(f"soak: unknown writer {kind!r} (pidns, behind, faketime, plain)")
     return subprocess.Popen(argv, cwd=ROOT, env=env, text=True)
 
 
@@ -81,7 +85,7 @@ def soak(store: str, kinds: list[str], seconds: float) -> dict[str, Any]:
             gc_errors.append(str(e))
         runs += 1
     deleted += gc.plan_gc(settings).execute().deleted_chunks
-    per_writer = {}
+    per_writer: dict[str, Any] = {}
     lost_total = reported_total = 0
     repo = cas.open(store, create=False)
     kept = {r.name for r in repo.refs()}
@@ -92,13 +96,14 @@ def soak(store: str, kinds: list[str], seconds: float) -> dict[str, Any]:
         outcome = json.loads(out.read_text()) if out.exists() else {"saved": [], "problems": []}
         out.unlink(missing_ok=True)
         saved = {ref: seeds for ref, seeds in outcome["saved"]}
-        lost = len(outcome["problems"])
+        # A problem line names the save (``w0/ckpt_00012: missing-chunk: ...``); count saves.
+        lost = len({problem.split(":", 1)[0] for problem in outcome["problems"]})
         for name in kept & saved.keys():
             try:
                 assert_bit_exact(repo.load(name), state(*saved[name]))
             except (AssertionError, cas.CASError):
                 lost += 1
-        per_writer[kind] = {
+        per_writer[f"{kind}{len(per_writer)}"] = {
             "saves_reported": len(saved),
             "saves_lost": lost,
             "refused": outcome.get("refused", 0),
@@ -123,10 +128,13 @@ def main() -> None:
     """Parse the arguments, run the soak, print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
-    parser.add_argument("--writers", default="pidns,behind")
+    parser.add_argument(
+        "--writers",
+        help="pidns, behind, faketime, plain (default: pidns,behind; pidns,faketime with --s3)",
+    )
     parser.add_argument("--s3", action="store_true", help="a SeaweedFS of its own")
     args = parser.parse_args()
-    kinds = args.writers.split(",")
+    kinds = (args.writers or ("pidns,faketime" if args.s3 else "pidns,behind")).split(",")
     seconds = args.minutes * 60
     with tempfile.TemporaryDirectory(prefix="soak-liveness-") as tmp:
         if args.s3:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import socket
@@ -111,8 +112,7 @@ class LeaseRecord:
 
     def live(self, now: float, margin: float) -> bool:
         """Whether GC must still honour it at ``now`` (until ``margin`` after its expiry), and
-        its writer may still be running: a lease of a process on this host that is gone lapses
-        at once."""
+        its writer may still be running: a lease whose writer is certainly dead lapses at once."""
         return now < self.expires + margin and not self.writer_gone()
 
     def writer_gone(self) -> bool:
@@ -235,14 +235,12 @@ class WriterLease:
                     self.blobs.delete(self.key)
                 raise
             after = self.storage.offset
-            if (
-                before is None
-                or after is None
-                or abs(after.value - before.value) > after.uncertainty
-            ):
-                # Written in the wrong time (the first lease of this process, or its clock was
-                # stepped): write it again in storage time before touching any object, so any
-                # GC that reads the lease after this writer's first touch sees the right times.
+            off = math.inf if before is None or after is None else abs(after.value - before.value)
+            if after is None or off + after.uncertainty > self.storage.limit:
+                # Its times may be further off the storage's than the margin allows (the first
+                # lease of this process, or its clock was stepped): write it again in storage
+                # time before touching any object, so any GC that reads the lease after this
+                # writer's first touch sees the right times.
                 now = self.clock()
                 self.started = now
                 self._write(now, now + self.settings.duration - self.settings.margin)

@@ -47,7 +47,8 @@ LOCK_FORMAT = "cas-lock"
 LOCK_DURATION = LeaseSettings.duration
 """How long a maintenance lock lasts unless renewed, by default (``MaintenanceService`` uses the
 store's lease duration): a renewal thread renews it every quarter of that while its run lives, so
-a dead holder blocks the next run no longer than this, and one on the same host not at all."""
+a dead holder blocks the next run no longer than this, and one certainly dead (same host, boot and
+PID namespace: ``cas.refs.liveness``) not at all."""
 STATE_PREFIX = "state/"
 """Where small documents of maintenance runs live (the clock probe, the verify sampler)."""
 CLOCK_PROBE_KEY = STATE_PREFIX + "gc-clock"
@@ -250,7 +251,7 @@ class MaintenanceLock:
             return self._lost or self._failed
 
     def safe_until(self) -> float:
-        """Until when (this host's clock) no other run can have taken the lock over."""
+        """Until when (storage time) no other run can have taken the lock over."""
         with self._mutex:
             return -math.inf if self._lost else self.expires
 

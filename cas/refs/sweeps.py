@@ -39,7 +39,7 @@ class HeldLock(Protocol):
         """Why the lock may be lost (a failed renewal, a takeover), or ``""``."""
 
     def safe_until(self) -> float:
-        """Until when (this host's clock) no other run can have taken the lock over."""
+        """Until when (storage time) no other run can have taken the lock over."""
 
 
 class CollectedDuringWrite(LeaseExpired):
