@@ -100,9 +100,9 @@ def main(argv: list[str]) -> None:
         with repo.lease("save"):
             print("held", flush=True)
             sys.stdin.read()
-    elif role == "hold-lock":  # a GC holding the maintenance lock: ``locked``, until stdin closes
-        with repo.maintenance.lock("gc"):
-            print("locked", flush=True)
+    elif role == "hold-both":  # a writer's lease and GC's lock held: ``held``, until stdin closes
+        with repo.lease("save"), repo.maintenance.lock("gc"):
+            print("held", flush=True)
             sys.stdin.read()
     elif role == "declare":  # a writer about to move a ref: ``declared``, then it waits
         with repo.lease("save"):

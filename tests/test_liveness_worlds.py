@@ -94,35 +94,26 @@ def _pid_absent_here(pid: int) -> bool:
 # --- another PID namespace -------------------------------------------------------------------
 
 
-def test_a_writer_in_another_pid_namespace_keeps_its_lease_against_gc(
+def test_a_writer_and_a_gc_in_another_pid_namespace_keep_their_lease_and_lock(
     tmp_path: Path, unshare: None
 ) -> None:
     repo = local_repo(tmp_path)
-    writer = _start(in_pid_namespace([*WORKER, "hold-lease", str(tmp_path)]), "held")
+    other = _start(in_pid_namespace([*WORKER, "hold-both", str(tmp_path)]), "held")
     try:
-        plan = repo.plan_gc(NO_GRACE)
-        [lease] = plan.live_leases
-        # Same host name, and no process with its pid here: only the namespace tells it lives.
-        assert lease.host == socket.gethostname() and _pid_absent_here(lease.pid)
+        [state_] = repo.writer_leases()
+        lease, holder = state_.lease, repo.maintenance_lock_holder()
+        assert holder is not None
+        # Same host name, and no process with their pid here: only the namespace tells they live.
+        assert lease.host == holder.host == socket.gethostname()
+        assert _pid_absent_here(lease.pid) and _pid_absent_here(holder.pid)
         assert lease.who.pid_ns and lease.who.pid_ns != current().pid_ns
-        assert not plan.expired_leases
-    finally:
-        _finish(writer)
-
-
-def test_a_gc_in_another_pid_namespace_keeps_its_maintenance_lock(
-    tmp_path: Path, unshare: None
-) -> None:
-    repo = local_repo(tmp_path)
-    gc = _start(in_pid_namespace([*WORKER, "hold-lock", str(tmp_path)]), "locked")
-    try:
-        holder = repo.maintenance_lock_holder()
-        assert holder is not None and _pid_absent_here(holder.pid)
+        assert state_.live
         with pytest.raises(LockHeld, match="gc by"):
             repo.plan_gc(NO_GRACE)
     finally:
-        _finish(gc)
-    repo.plan_gc(NO_GRACE).execute()  # released: the next run proceeds
+        _finish(other)
+    plan = repo.plan_gc(NO_GRACE)  # released: the next run proceeds
+    assert not plan.live_leases
 
 
 def _saves_while_gc_runs(
