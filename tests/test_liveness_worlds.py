@@ -200,7 +200,7 @@ def test_a_writer_five_minutes_behind_loses_no_save_to_gc_on_s3(
         assert abs(lease.started - plan.now) < 5  # S3's Last-Modified time, not the writer's
     finally:
         _finish(writer)
-    outcome, results = _saves_while_gc_runs(s3_url, list, clock_offset_env(-SKEW), 6.0)
+    outcome, results = _saves_while_gc_runs(s3_url, list, clock_offset_env(-SKEW), 4.0)
     _assert_no_save_lost(s3_url, outcome, results)
 
 

@@ -235,12 +235,14 @@ class WriterLease:
                     self.blobs.delete(self.key)
                 raise
             after = self.storage.offset
-            off = math.inf if before is None or after is None else abs(after.value - before.value)
-            if after is None or off + after.uncertainty > self.storage.limit:
-                # Its times may be further off the storage's than the margin allows (the first
-                # lease of this process, or its clock was stepped): write it again in storage
-                # time before touching any object, so any GC that reads the lease after this
-                # writer's first touch sees the right times.
+            # The first write used the offset known before (none: this host's clock as is).
+            used = before.value if before is not None else 0.0
+            off = math.inf if after is None else abs(after.value - used) + after.uncertainty
+            if off > self.storage.limit:
+                # Its times may be further off the storage's than the margin allows (this
+                # host's clock is off, or was stepped): write it again in storage time before
+                # touching any object, so any GC that reads the lease after this writer's first
+                # touch sees the right times.
                 now = self.clock()
                 self.started = now
                 self._write(now, now + self.settings.duration - self.settings.margin)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from cas.blobstore.base import BlobStore
 from cas.errors import CASError, ClockSkew
 
-TRIES = 3
+TRIES = 5
 """Measurements a sync makes (narrowing each time) before it refuses for a wide uncertainty."""
 
 
