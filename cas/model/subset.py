@@ -43,6 +43,8 @@ def subset_manifest(
             created_at,
             parent,
             manifest.chunk_size,
+            manifest.message,
+            manifest.tags,
         )
 
     kept: list[TensorEntry] = []
@@ -54,7 +56,16 @@ def subset_manifest(
     if tree is None:
         raise NotFound(f"no entry matches {list(patterns)}")
     return Manifest(
-        "state", tuple(kept), tree, {}, dict(manifest.meta), created_at, parent, manifest.chunk_size
+        "state",
+        tuple(kept),
+        tree,
+        {},
+        dict(manifest.meta),
+        created_at,
+        parent,
+        manifest.chunk_size,
+        manifest.message,
+        manifest.tags,
     )
 
 

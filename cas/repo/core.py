@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from cas.blobstore import BlobStore
+from cas.blobstore.sealed import StoreKey
 from cas.codecs import Codec, codec_by_name
 from cas.digest import Digest
 from cas.errors import CASError
@@ -23,7 +24,9 @@ from cas.model.limits import ReadLimits
 from cas.model.manifest import (
     Manifest,
     TensorEntry,
+    check_message,
     check_meta,
+    check_tags,
     decode_manifest,
     encode_manifest,
 )
@@ -117,6 +120,12 @@ class RepositoryCore(RefOperations):
         self.last_write: WriteStats = WriteStats()
         self.delta_settings = DeltaSettings.from_config(config.extra)
         self.chunk_cache = ChunkCache(self.delta_settings.cache_bytes)
+        self.append_only = not blobs.accepts_deletes
+        """Opened append-only: forget, gc and rm are refused (``cas.blobstore.appendonly``)."""
+        self.store_key: StoreKey | None = None
+        """An encrypted store's master key (``cas.repo.keys``); None for a plain store."""
+        self.key_slot: str | None = None
+        """Which of the store's keys opened it."""
 
     @property
     def url(self) -> str:
@@ -166,10 +175,15 @@ class RepositoryCore(RefOperations):
         expected: Digest | Any | None = _ANY,
         codec: str | None = None,
         message: str = "",
+        tags: Sequence[str] = (),
         progress: Progress | None = None,
         overwrite: bool = False,
     ) -> Digest:
         """Store a nested training state under ``ref``; return the manifest digest.
+
+        ``message`` (what this checkpoint is) and ``tags`` (labels such as ``eval``) are kept in
+        the manifest, shown by ``cas ls -l`` and ``cas log``, and ``cas ls --tag`` filters on them;
+        the message is also the ref history's entry.
 
         ``parent`` names the previous checkpoint (default: the ref's current target), which is
         also the delta base: with codec ``"auto"`` each tensor may be stored as a delta against
@@ -179,6 +193,8 @@ class RepositoryCore(RefOperations):
         (ProtectedRef otherwise; the chunks written stay for GC).
         """
         name = parse_ref_name(ref)
+        labels = check_tags(tags)
+        check_message(message)
         if expected is _ANY:  # a compare-and-swap is refused at the commit, by the ref's state
             self.check_replaceable(name, overwrite=overwrite)
         tree, sources = encode_state(state)
@@ -194,6 +210,8 @@ class RepositoryCore(RefOperations):
                 created_at=self.clock(),
                 parent=parent_digest,
                 chunk_size=self.config.chunk_size,
+                message=message,
+                tags=labels,
             )
             try:
                 return self.commit(

@@ -22,12 +22,14 @@ from cas.refs.stores import Stores
 from cas.repo.config import WRITER_SETTINGS, StoreConfig, read_config, write_config
 from cas.retention.evictions import eviction_logs, read_evictions
 from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
+from cas.retention.mend import RefRepairReport, repair_refs
 from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
 from cas.retention.policy import RETENTION_SECTION, RetentionPolicy, protection_of
 from cas.retention.repair import RepairReport, repair
 from cas.retention.space import (
     StoreStats,
     Usage,
+    UsageIndex,
     UsageReport,
     disk_usage,
     manifest_usage,
@@ -133,6 +135,7 @@ class HousekeepingOperations:
 
         Chunks are freed by GC afterwards; ``CheckpointManager`` calls this after each save.
         """
+        self.stores.check_deletes("forget")
         policy = policy or self._stored_policy()
         self.take_snapshots(policy, now=now)
         return self.plan_forget(policy, now=now).execute()
@@ -191,24 +194,42 @@ class HousekeepingOperations:
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
 
-    def status(self, *, clock: Callable[[], float] | None = None) -> StoreStatus:
+    def repair_refs(
+        self, selector: str = "", *, dry_run: bool = False, progress: Progress | None = None
+    ) -> RefRepairReport:
+        """Rebuild, clean or set aside every damaged ref ``selector`` picks, keeping the bytes of
+        every record it changes under ``damaged/`` (``cas.retention.mend``); ``progress(1)``
+        per ref checked."""
+        return repair_refs(self.stores, selector, dry_run=dry_run, progress=progress)
+
+    def status(self, *, clock: Callable[[], float] | None = None, lock: bool = True) -> StoreStatus:
         """The retention report ``cas status`` prints: usage against the stored budget,
         protected refs, oldest and newest checkpoint, each run's latest and best, pending GC
         and quarantine (``cas.retention.status``). Takes the maintenance lock briefly, as
-        ``cas gc --dry-run`` does; changes nothing."""
-        return store_status(self.stores, self.retention_policy(), self.gc_settings(), clock=clock)
+        ``cas gc --dry-run`` does; changes nothing. ``lock=False`` writes nothing at all (a
+        read-only view such as ``cas ui``), at the price of a GC figure that a concurrent
+        ``cas gc`` may be changing."""
+        return store_status(
+            self.stores, self.retention_policy(), self.gc_settings(), clock=clock, lock=lock
+        )
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
         return disk_usage(self.stores, selector)
 
+    def usage_index(self) -> UsageIndex:
+        """Every readable ref's objects and their counts, read once, for many usage questions
+        (each run's own bytes, a checkpoint's exclusive bytes): ``cas.retention.space``."""
+        return UsageIndex(self.stores)
+
     def store_stats(self) -> StoreStats:
         """Object counts, and how much dedup and compression save."""
         return store_stats(self.stores)
 
-    def manifest_usage(self, manifest: Manifest) -> Usage:
-        """Logical and stored bytes of one checkpoint, with and without its delta bases."""
-        return manifest_usage(self.stores, manifest)
+    def manifest_usage(self, manifest: Manifest, digest: Digest | None = None) -> Usage:
+        """Logical and stored bytes of one checkpoint, with and without its delta bases (and
+        its stored manifest, given its ``digest``)."""
+        return manifest_usage(self.stores, manifest, digest)
 
     def stored_bytes(self, digests: Iterable[Digest]) -> int:
         """Bytes the distinct chunks among ``digests`` occupy in the store (missing ones 0)."""

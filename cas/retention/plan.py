@@ -1,6 +1,8 @@
 """Planning retention: a policy's rules applied to every ref, as a ForgetPlan, and executing it.
 
-``plan_forget`` reads every ref's manifest, groups the refs each rule selects, marks them
+``plan_forget`` reads every ref's manifest (a ref whose record or manifest cannot be read is kept,
+counted by no rule and reported in ``ForgetPlan.damaged``: the others are planned as if it were
+not there), groups the refs each rule selects, marks them
 protected / kept / dropped as ``cas.retention.policy`` describes, then enforces the size budget
 with reference counts over the kept refs (``cas.retention.space.Accounting``), so each dropped
 ref is charged only the bytes no kept ref shares. A plan changes nothing until ``execute()``.
@@ -21,6 +23,7 @@ from typing import Any
 from cas.digest import Digest
 from cas.errors import NotFound, RefConflict
 from cas.names import ref_matches
+from cas.refs.listing import DamagedRef, list_refs
 from cas.refs.records import RefRecord
 from cas.refs.stores import Stores
 from cas.retention.evictions import append_evictions
@@ -56,6 +59,8 @@ class ForgetResult:
     skipped: tuple[tuple[str, str], ...]
     """``(ref, why)`` for refs not removed: moved since the plan, or already gone."""
     logged: int
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ class ForgetPlan:
     evictions: tuple[tuple[str, dict[str, Any]], ...]
     """``(log name, record)`` appended to eviction logs before the refs go."""
     stores: Stores = field(repr=False, compare=False)
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
     @property
     def dropped(self) -> tuple[RefDecision, ...]:
@@ -97,6 +104,8 @@ class ForgetPlan:
     def execute(self, *, lock: bool = True) -> ForgetResult:
         """Log evictions, then remove the dropped refs (each only if it still names its manifest)."""
         refs = self.stores.refs
+        if self.dropped:
+            self.stores.check_deletes("forget")
         with self.stores.maintenance.lock("forget", enabled=lock):
             skipped: list[tuple[str, str]] = []
             still: list[RefDecision] = []
@@ -123,7 +132,7 @@ class ForgetPlan:
                     skipped.append((d.ref, "moved since the plan"))
                 except NotFound:
                     skipped.append((d.ref, "already gone"))
-        return ForgetResult(tuple(removed), tuple(skipped), logged)
+        return ForgetResult(tuple(removed), tuple(skipped), logged, self.damaged)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
@@ -136,6 +145,7 @@ class ForgetPlan:
             "warnings": list(self.warnings),
             "drop": [_decision_dict(d) for d in self.dropped],
             "keep": [_decision_dict(d) for d in self.kept],
+            "damaged": [d.to_dict() for d in self.damaged],
         }
 
     def summary(self, *, show_kept: bool = True) -> list[str]:
@@ -154,6 +164,10 @@ class ForgetPlan:
             f"(freed by `cas gc` after the grace period)"
         )
         lines.extend(f"WARNING: {w}" for w in self.warnings)
+        lines.extend(
+            f"WARNING: kept damaged ref {d.ref}: {d.error.splitlines()[0] if d.error else '?'}"
+            for d in self.damaged
+        )
         return lines
 
 
@@ -260,7 +274,9 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
     # Daily snapshots are retained by rules of their own, ahead of the policy's.
     policy = replace(policy, rules=policy.effective_rules(), snapshots=())
     zone = zone_of(policy.timezone)
-    contents = read_contents(stores, stores.refs.records())
+    listing = list_refs(stores.refs)
+    damaged = list(listing.damaged)
+    contents = read_contents(stores, listing.records, damaged)
     entries = [_classify(policy, c) for c in contents]
     groups: dict[tuple[int, str], list[_Entry]] = defaultdict(list)
     for entry in entries:
@@ -282,7 +298,8 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
         entry.frees = accounting.drop(entry.content)
     if policy.max_total_bytes and accounting.total > policy.max_total_bytes:
         warnings.extend(_enforce_budget(policy, entries, accounting))
-    return _build_plan(stores, policy, now, entries, accounting, warnings)
+    plan = _build_plan(stores, policy, now, entries, accounting, warnings)
+    return replace(plan, damaged=tuple(sorted(damaged, key=lambda d: d.ref)))
 
 
 def _classify(policy: RetentionPolicy, content: RefContent) -> _Entry:

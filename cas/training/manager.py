@@ -57,7 +57,7 @@ from cas.training.restore import (
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
 from cas.training.runrefs import RunRefs, open_mirror
-from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
+from cas.training.saves import PendingSave, PreparedSave, SaveResult, retention_note, user_metadata
 from cas.training.schema import Migration, SchemaMismatch, UserSchema
 from cas.training.signals import SignalTriggers
 
@@ -157,6 +157,7 @@ class CheckpointManager(RunRefs):
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None
         self._last_result: SaveResult | None = None
+        self._retention_note: dict[str, Any] | None = None
         self.triggers = SignalTriggers()
         if signals:
             self.triggers.install()
@@ -374,6 +375,8 @@ class CheckpointManager(RunRefs):
         }
         meta.update(resume_meta(self.config_hash, self.config, self.system_hash))
         meta.update(self.schema.meta())
+        if self._retention_note is not None:  # the policy fell behind after an earlier save
+            meta["retention"] = self._retention_note
         return meta
 
     def _write(self, prepared: PreparedSave) -> SaveResult:
@@ -418,13 +421,17 @@ class CheckpointManager(RunRefs):
         self._latest_target = digest
         is_best = self._update_best(digest, prepared)
         mirror_error = self._mirror_best(prepared.phase, digest)
-        retention_error = None
+        retention_error: str | None = None
+        damaged: tuple[str, ...] = ()
         if self.policy is not None:
             try:
-                self._apply_policy()
+                damaged = self._apply_policy()
             except Exception as e:  # e.g. a `cas gc` holds the maintenance lock right now
                 retention_error = f"{type(e).__name__}: {e}"
                 log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
+            if damaged:
+                log.warning("saved %s; retention kept damaged refs %s", prepared.ref, damaged)
+        self._retention_note = retention_note(prepared.step, retention_error, damaged)
         result = SaveResult(
             prepared.step,
             prepared.phase,
@@ -439,16 +446,18 @@ class CheckpointManager(RunRefs):
             new,
             retention_error,
             mirror_error,
+            damaged,
         )
         self._last_result = result
         return result
 
-    def _apply_policy(self) -> None:
+    def _apply_policy(self) -> tuple[str, ...]:
+        """Run the policy; the damaged refs it kept (a RetentionPolicy's, which reports them)."""
         if isinstance(self.policy, RetentionPolicy):
-            self.repo.forget(self.policy)
-        else:
-            apply = getattr(self.policy, "apply", None)
-            (apply or self.policy)(self.repo)
+            return tuple(d.ref for d in self.repo.forget(self.policy).damaged)
+        apply = getattr(self.policy, "apply", None)
+        (apply or self.policy)(self.repo)
+        return ()
 
     def wait(self) -> None:
         """Wait for every save in flight; raise a background failure."""
