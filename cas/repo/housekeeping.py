@@ -124,8 +124,13 @@ class HousekeepingOperations:
         self, policy: RetentionPolicy | None = None, *, now: float | None = None
     ) -> ForgetPlan:
         """Which refs ``policy`` (default: the stored one) removes and why; nothing changes
-        until ``plan.execute()`` (``cas.retention.plan``)."""
-        return plan_forget(self.stores, policy or self._stored_policy(), now=now)
+        until ``plan.execute()`` (``cas.retention.plan``), which first takes the policy's
+        missing daily snapshots, as ``forget`` does."""
+        policy = policy or self._stored_policy()
+        plan = plan_forget(self.stores, policy, now=now)
+        if not policy.snapshots:
+            return plan
+        return replace(plan, take_snapshots=lambda: self.take_snapshots(policy, now=now))
 
     def forget(
         self, policy: RetentionPolicy | None = None, *, now: float | None = None
@@ -137,8 +142,8 @@ class HousekeepingOperations:
         """
         self.stores.check_deletes("forget")
         policy = policy or self._stored_policy()
-        self.take_snapshots(policy, now=now)
-        return self.plan_forget(policy, now=now).execute()
+        self.take_snapshots(policy, now=now)  # first, so the plan sees today's snapshots
+        return plan_forget(self.stores, policy, now=now).execute()
 
     def take_snapshots(
         self,

@@ -36,6 +36,7 @@ from cas.repo.core import RepositoryCore
 from cas.repo.export import export_files, export_state, file_entry, select_files
 from cas.repo.housekeeping import HousekeepingOperations
 from cas.repo.ingest import ingest_path
+from cas.repo.lazy import CheckpointReader
 from cas.repo.shards import commit_shards, save_shard
 from cas.repo.transfers import TransferOperations
 
@@ -155,6 +156,12 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         if patterns and not matched:
             _nothing_selected(ref, patterns, manifest)
         return out
+
+    def open(self, ref: str) -> CheckpointReader:
+        """A lazy read-only mapping of ``ref``'s tensors: ``with repo.open(ref) as ckpt:`` then
+        ``ckpt.keys()``, ``ckpt["model.w"]``, ``ckpt.get_slice("model.w")[:10]``,
+        ``ckpt.metadata``; each read fetches only the chunks it needs (``cas.repo.lazy``)."""
+        return CheckpointReader(self, ref)
 
     def read_tensors(
         self,

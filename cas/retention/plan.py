@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -76,6 +77,9 @@ class ForgetPlan:
     evictions: tuple[tuple[str, dict[str, Any]], ...]
     """``(log name, record)`` appended to eviction logs before the refs go."""
     stores: Stores = field(repr=False, compare=False)
+    take_snapshots: Callable[[], object] | None = field(default=None, repr=False, compare=False)
+    """Takes the policy's missing daily snapshots; ``execute`` calls it before removing any ref,
+    as ``Repository.forget`` does (``Repository.plan_forget`` sets it)."""
     damaged: tuple[DamagedRef, ...] = ()
     """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
@@ -106,6 +110,8 @@ class ForgetPlan:
         refs = self.stores.refs
         if self.dropped:
             self.stores.check_deletes("forget")
+        if self.take_snapshots is not None:
+            self.take_snapshots()  # a snapshot of a ref this plan drops is taken before it goes
         with self.stores.maintenance.lock("forget", enabled=lock):
             skipped: list[tuple[str, str]] = []
             still: list[RefDecision] = []
@@ -287,6 +293,7 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
         members.sort(key=lambda e: (e.time, e.name), reverse=True)
         rule = policy.rules[index]
         _protect(rule, policy, members, contents, now, zone)
+        warnings.extend(_unranked(rule, group, members))
         _keep(rule, members, now, zone)
         for entry in members:
             if not entry.protected and not entry.kept:
@@ -317,6 +324,18 @@ def _classify(policy: RetentionPolicy, content: RefContent) -> _Entry:
     if rule is None:
         entry.protected.append("no rule selects it")
     return entry
+
+
+def _unranked(rule: Rule, group: str, members: list[_Entry]) -> list[str]:
+    """A warning per ``keep_best`` metric that no checkpoint of the group carries: such a rule
+    protects nothing, which is never what its author meant (a misspelt or unrecorded metric)."""
+    where = f"{rule.name or rule.select}" + (f" [{group}]" if group else "")
+    return [
+        f"keep-best {best.metric}: no checkpoint {where} selects records metric "
+        f"{best.metric!r}, so it protects none (is the metric stored in meta['metrics']?)"
+        for best in rule.keep_best
+        if members and all(best.value(e.content.meta) is None for e in members)
+    ]
 
 
 def _protect(

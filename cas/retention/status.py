@@ -188,7 +188,7 @@ class StoreStatus:
                 f"daily snapshots: {self.snapshots}, newest {self.newest_snapshot.describe()}"
             )
         for run in self.runs:
-            lines.append(f"run {run.run}: latest {run.latest.describe()}")
+            lines.append(f"run {run.run or '(top level)'}: latest {run.latest.describe()}")
             lines.extend(f"  best {pointer}: {c.describe()}" for pointer, c in run.best)
             if run.gates:
                 lines.append(f"  gates: {run.gates}")
@@ -310,24 +310,36 @@ def _info(content: RefContent) -> CheckpointInfo:
 
 def _pointee(pointer: RefContent, by_name: dict[str, RefContent]) -> CheckpointInfo:
     """The checkpoint a pointer names: the ref its last move names (the manager writes it in
-    the message) when that ref still names the same manifest, else the pointer itself."""
+    the message) when that ref still names the same manifest, else a checkpoint ref naming the
+    same manifest, else the pointer itself."""
     history = pointer.record.history
     named = by_name.get(history[-1].message) if history else None
     if named is not None and named.target == pointer.target:
         return _info(named)
-    return _info(pointer)
+    # A pointer set by `cas cp` or a symlink-style script: the checkpoint naming its manifest.
+    same = sorted(n for n, c in by_name.items() if c.target == pointer.target and not is_pointer(n))
+    return _info(by_name[same[0]] if same else pointer)
 
 
 def _runs(by_name: dict[str, RefContent], damaged: list[str]) -> tuple[RunStatus, ...]:
+    """A run per ``latest`` ref: ``runs/r1/latest`` makes run ``runs/r1``, a top-level
+    ``latest`` (a retention manager's single run) the run ``""``, shown as ``(top level)``.
+    Each ``best`` and gate belongs to the run with the longest prefix that holds it."""
+    latest = sorted(n for n in by_name if n == "latest" or n.endswith("/latest"))
+    prefixes = [name.rpartition("/")[0] for name in latest]
+
+    def owner(name: str) -> str | None:
+        holding = [p for p in prefixes if not p or name.startswith(p + "/")]
+        return max(holding, key=len) if holding else None
+
     runs = []
-    for name in sorted(n for n in by_name if n.endswith("/latest")):
-        run = name.rpartition("/")[0]
-        inside = [n for n in by_name if n.startswith(run + "/")]
+    for name, run in zip(latest, prefixes, strict=True):
+        inside = sorted(n for n in by_name if owner(n) == run)
         best = tuple(
-            (n, _pointee(by_name[n], by_name)) for n in sorted(inside) if n.endswith("/best")
+            (n, _pointee(by_name[n], by_name)) for n in inside if n == "best" or n.endswith("/best")
         )
         gates = sum(1 for n in inside if ref_matches(n, "**/gates/**"))
-        hurt = tuple(n for n in damaged if n.startswith(run + "/"))
+        hurt = tuple(n for n in damaged if not run or n.startswith(run + "/"))
         note = _retention_note(by_name[name].meta.get("retention"))
         runs.append(RunStatus(run, _pointee(by_name[name], by_name), best, gates, hurt, note))
     return tuple(runs)

@@ -40,9 +40,11 @@ from cas.training.compat import (
     ConfigMismatch,
     StrictLoadError,
     SystemMismatch,
+    TensorSpec,
     check_config,
     check_keys,
     check_system,
+    config_change,
     config_hash,
     resume_meta,
 )
@@ -76,6 +78,7 @@ __all__ = [
     "Skipped",
     "StrictLoadError",
     "SystemMismatch",
+    "TensorSpec",
     "config_hash",
     "new_run_id",
 ]
@@ -83,7 +86,7 @@ __all__ = [
 log = logging.getLogger("cas.training.manager")
 
 CHECKPOINT_SCHEMA = 1
-MODES = ("fresh", "warm_start", "resume", "auto")
+MODES = ("fresh", "warm_start", "resume", "pivot", "auto")
 
 
 class CheckpointManager(RunRefs):
@@ -154,6 +157,7 @@ class CheckpointManager(RunRefs):
         self._write_history = TrainingHistory(self._write_repo, self.history.ref)
         self.yield_thread = yield_thread
         self._lender = ThreadLender(yield_thread)
+        self._latest_known = self.latest_ref
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None
         self._last_result: SaveResult | None = None
@@ -414,11 +418,14 @@ class CheckpointManager(RunRefs):
         self, prepared: PreparedSave, digest: Digest, start: float, logical: int, new: int
     ) -> SaveResult:
         """Move ``latest`` and ``best`` to the committed ``digest``, then run the policy."""
+        latest = self.latest_ref_of(prepared.phase)
+        if latest != self._latest_known:  # a per-phase latest: another phase's pointer
+            self._latest_target = self._read_target(latest)
         self._write_repo.set_ref(  # the run's own pointer: moving it is what it is for
-            self.latest_ref, digest, expected=self._latest_target, op="save",
+            latest, digest, expected=self._latest_target, op="save",
             message=prepared.ref, overwrite=True,
         )  # fmt: skip
-        self._latest_target = digest
+        self._latest_target, self._latest_known = digest, latest
         is_best = self._update_best(digest, prepared)
         mirror_error = self._mirror_best(prepared.phase, digest)
         retention_error: str | None = None
@@ -511,6 +518,8 @@ class CheckpointManager(RunRefs):
           ``source``, a latest checkpoint that fails verification is skipped for the one before
           it, with a warning and an entry in ``Restored.fallbacks``. The ``system_hash`` must
           match too, unless ``allow_system_change``.
+        - ``pivot``: ``resume`` under a changed config (ANDREA's polish pivot): the exact state,
+          RNGs and step go on; the history records the pivot and the config's changes.
 
         A checkpoint of an older ``schema_version`` is passed through ``migrations`` before it
         is returned; one of a newer version is refused (``SchemaMismatch``) in every mode.
@@ -518,6 +527,7 @@ class CheckpointManager(RunRefs):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.wait()
+        self._latest_known = self.latest_ref
         self._latest_target = self._read_target(self.latest_ref)
         if mode == "auto":
             mode = "resume" if source is not None or self._latest_target is not None else "fresh"
@@ -534,9 +544,10 @@ class CheckpointManager(RunRefs):
 
         def check(ref: str, meta: Mapping[str, Any]) -> None:
             self.schema.check(ref, meta)
-            if mode != "resume":
+            if mode == "warm_start":
                 return
-            check_config(ref, meta, self.config_hash, self.config)
+            if mode == "resume":
+                check_config(ref, meta, self.config_hash, self.config)
             if not allow_system_change:
                 check_system(ref, meta, self.system_hash)
 
@@ -545,7 +556,7 @@ class CheckpointManager(RunRefs):
             candidates,
             keys=keys,
             map_location=map_location,
-            with_rng=mode == "resume",
+            with_rng=mode != "warm_start",
             check=check,
             fallback=source is None,
         )
@@ -557,7 +568,7 @@ class CheckpointManager(RunRefs):
             check_keys(state, template, found.ref)
         step = int(found.meta.get("step", 0))
         warnings: list[str] = []
-        if mode == "resume":
+        if mode in ("resume", "pivot"):
             if isinstance(found.tree, dict) and isinstance(found.tree.get("rng"), dict):
                 warnings = rng_mod.restore(found.tree["rng"])
             elif self.capture_rng:
@@ -572,6 +583,7 @@ class CheckpointManager(RunRefs):
                     "event": mode,
                     "ref": found.ref,
                     "skipped": [s.ref for s in found.skipped],
+                    **(config_change(found.meta, self.config) if mode == "pivot" else {}),
                 }
             )
         return Restored(
