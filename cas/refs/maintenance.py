@@ -16,7 +16,6 @@ CLI never touch the blobs that hold them.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
 import threading
@@ -26,7 +25,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore, Version
-from cas.errors import BackendError, CASError, ClockSkew, LockHeld, NotFound, PreconditionFailed
+from cas.errors import (
+    BackendError,
+    CASError,
+    ClockSkew,
+    FormatError,
+    LockHeld,
+    NotFound,
+    PreconditionFailed,
+)
+from cas.model.bounded import load_record_json
 from cas.refs import fences
 from cas.refs.fences import FenceEntry
 from cas.refs.leases import (
@@ -97,14 +105,14 @@ class LeaseStatus:
 def parse_lock(data: bytes) -> LockHolder | None:
     """The holder a lock blob names, or None when it is unreadable."""
     try:
-        doc = json.loads(data)
+        doc = load_record_json(data, "maintenance lock")
         return LockHolder(
             str(doc.get("operation", "?")),
             str(doc["holder"]),
             float(doc["expires"]),
             ProcessIdentity.from_doc(doc),
         )
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (FormatError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
