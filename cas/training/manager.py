@@ -16,7 +16,10 @@ config hash (and ``schema_version``, with which a restore migrates older states:
 complete checkpoint. A ``policy`` is a ``RetentionPolicy`` (applied with ``Repository.forget``),
 anything with ``apply(repo)`` or a callable ``policy(repo)``; it runs after each save, in the
 background. A ``mirror`` (a Repository or URL: the S3 archive) receives each gate and every move
-of ``best`` by push, so a corrupt gate can be healed from it (``cas.training.runrefs``).
+of ``best`` by push, so a corrupt gate can be healed from it (``cas.training.runrefs``). A
+``remote`` (a Repository or URL) is a second tier every save drains to in the background, kept by
+its own ``remote_policy``; a resume takes the newest checkpoint either tier holds
+(``cas.training.tiers``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from cas.training.runrefs import RunRefs, open_mirror
 from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
 from cas.training.schema import Migration, SchemaMismatch, UserSchema
 from cas.training.signals import SignalTriggers
+from cas.training.tiers import CLOSE_WAIT, RemoteTier
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +104,9 @@ class CheckpointManager(RunRefs):
         best: tuple[str, str] | None = None,
         policy: Any = None,
         mirror: Repository | str | None = None,
+        remote: Repository | str | None = None,
+        remote_policy: RetentionPolicy | None = None,
+        remote_queue: int = 8,
         config: Any = None,
         system_hash: str | None = None,
         schema_version: int | None = None,
@@ -135,6 +142,9 @@ class CheckpointManager(RunRefs):
         self.run = run_prefix(run if run is not None else new_run_id(seed, clock))
         self.run_id = self.run.rsplit("/", 1)[-1]
         self.history = TrainingHistory(repo, layout.history.format(run=self.run))
+        self.tier = None if remote is None else RemoteTier.for_run(
+            repo, remote, layout, self.run, policy=remote_policy, max_pending=remote_queue
+        )  # fmt: skip
         self._pending_records: list[HistoryRecord] = []
         self._records_lock = threading.Lock()
         self._stager = Stager()
@@ -439,12 +449,15 @@ class CheckpointManager(RunRefs):
             new,
             retention_error,
             mirror_error,
+            self.tier.notify(prepared.ref, prepared.meta["saved_at"], new) if self.tier else None,
         )
         self._last_result = result
         return result
 
     def _apply_policy(self) -> None:
-        if isinstance(self.policy, RetentionPolicy):
+        if isinstance(self.policy, RetentionPolicy) and self.tier is not None:
+            self.tier.apply_local_policy(self.policy)  # spares what the remote still needs
+        elif isinstance(self.policy, RetentionPolicy):
             self.repo.forget(self.policy)
         else:
             apply = getattr(self.policy, "apply", None)
@@ -475,6 +488,8 @@ class CheckpointManager(RunRefs):
                 records, self._pending_records = self._pending_records, []
             if records:
                 self.history.append(records)
+            if self.tier is not None:
+                self.tier.close(CLOSE_WAIT)  # what is left, the next run's drain pushes
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -509,6 +524,8 @@ class CheckpointManager(RunRefs):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.wait()
+        if self.tier is not None and source is None and mode != "fresh":
+            self.tier.pull_newer()  # a later checkpoint on the remote: this node is new
         self._latest_target = self._read_target(self.latest_ref)
         if mode == "auto":
             mode = "resume" if source is not None or self._latest_target is not None else "fresh"
@@ -539,6 +556,7 @@ class CheckpointManager(RunRefs):
             with_rng=mode == "resume",
             check=check,
             fallback=source is None,
+            heal=self.tier.heal if self.tier is not None else None,
         )
         return self._restored(mode, found, template)
 

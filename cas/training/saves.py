@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas.digest import Digest
+from cas.sync.drain import TierLag
 from cas.training.async_save import StagingSet
 from cas.training.history import HistoryRecord, plain_record
 
@@ -32,6 +33,8 @@ class SaveResult:
     """Why the retention policy did not run after this save (it is committed all the same)."""
     mirror_error: str | None = None
     """Why ``best``, moved to this save, was not pushed to the mirror store."""
+    remote_lag: TierLag | None = None
+    """With a remote tier: the saves (this one included) and bytes not yet there, and since when."""
 
 
 class PendingSave:
