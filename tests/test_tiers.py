@@ -3,11 +3,14 @@ its own retention, and a run resumes from whichever tier holds the newest good c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from click.testing import CliRunner
 
 import cas
+from cas.cli import cli
 from cas.repo.config import StoreConfig
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
@@ -152,3 +155,25 @@ def test_a_corrupt_local_chunk_is_healed_from_the_remote_on_resume(tmp_path: Pat
 
 def _chunk_files(repo: cas.Repository) -> set[str]:
     return {p.name for p in (local_root(repo) / "chunks").glob("*/*")}
+
+
+def test_cas_status_shows_the_remote_tier_and_what_it_lacks(tmp_path: Path) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    mgr = CheckpointManager(local, run="r1", signals=False, async_save=False, remote=remote)
+    assert mgr.tier is not None
+    mgr.tier.close(0)  # nothing drains: both saves wait for the remote
+    mgr.save(1, _weights(1))
+    mgr.save(2, _weights(2))
+    mgr.close()
+    store = ["--store", str(tmp_path / "local"), "status"]
+    shown = CliRunner().invoke(cli, store)
+    assert shown.exit_code == 0, shown.output
+    assert f"remote tier  {remote.url}: 2 saves (" in shown.output
+    as_json = CliRunner().invoke(cli, [*store, "--json"])
+    tier = json.loads(as_json.output)["remote_tier"]
+    # Both saves' weights (and their RNG states) are missing there.
+    assert tier["saves"] == 2 and tier["bytes"] >= 2 * 4096 * 4 and tier["error"] is None
+    with CheckpointManager(local, run="r1", signals=False, remote=remote) as again:
+        assert again.tier is not None and again.tier.wait(30).saves == 0
+    shown = CliRunner().invoke(cli, store)
+    assert f"remote tier  {remote.url}: up to date" in shown.output

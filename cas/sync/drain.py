@@ -32,6 +32,7 @@ from cas.refs.stores import Stores
 from cas.sync.transfer import RefUpdate, TransferReport, transfer
 
 __all__ = [
+    "TIERS_SECTION",
     "DrainReport",
     "PendingCheckpoint",
     "TierLag",
@@ -41,6 +42,9 @@ __all__ = [
     "tier_lag",
 ]
 
+TIERS_SECTION = "tiers"
+"""The local store's config section naming its remote tier and the checkpoint refs that drain
+there: ``{"remote": url, "checkpoints": [glob, ...]}`` (``cas status`` reads it)."""
 LATEST_DEPTH = 256
 """How far back the local ``latest``'s history is searched for a checkpoint the remote holds."""
 

@@ -16,6 +16,7 @@ it keep fewer of them, so the answer errs on the side of keeping.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -28,7 +29,7 @@ from cas.errors import CASError, NotFound
 from cas.repo.repository import Repository
 from cas.retention.plan import ForgetPlan, ForgetResult
 from cas.retention.policy import RetentionPolicy
-from cas.sync.drain import PendingCheckpoint, TierLag
+from cas.sync.drain import TIERS_SECTION, PendingCheckpoint, TierLag
 from cas.training.async_save import lower_thread_priority
 from cas.training.run_names import Layout
 
@@ -49,6 +50,19 @@ def open_remote(remote: Repository | str) -> Repository:
     from cas.repo.opening import open as open_store
 
     return open_store(remote)
+
+
+def record_remote(local: Repository, url: str, checkpoints: str) -> None:
+    """Note in the local store's config which remote its ``checkpoints`` drain to, so ``cas
+    status`` reports both tiers (``TIERS_SECTION``: ``{"remote": url, "checkpoints": [...]}``)."""
+    section = local.config.extra.get(TIERS_SECTION)
+    current = section if isinstance(section, dict) else {}
+    globs = [g for g in current.get("checkpoints", []) if isinstance(g, str)]
+    if current.get("remote") == url and checkpoints in globs:
+        return
+    if current.get("remote") != url:
+        globs = []
+    local.update_config(TIERS_SECTION, {"remote": url, "checkpoints": [*globs, checkpoints]})
 
 
 def run_selectors(layout: Layout, run: str) -> tuple[str, str, list[str]]:
@@ -99,9 +113,11 @@ class RemoteTier:
         self._pending: dict[str, tuple[float, int]] = {}
         """ref -> (saved at, bytes) of the checkpoints the remote lacks, as last seen."""
         self._skipped: set[str] = set()
+        self._remove_after: set[str] = set()
         self._error: str | None = None
         self.drained = 0
         """Checkpoints this process pushed to the remote."""
+        record_remote(local, self.remote.url, checkpoints)
         self._thread = threading.Thread(target=self._run, name="cas-drain", daemon=True)
         self._thread.start()
 
@@ -240,6 +256,11 @@ class RemoteTier:
             with self._cond:
                 self._pending.pop(item.ref, None)
                 self.drained += 1
+                remove = item.ref in self._remove_after
+                self._remove_after.discard(item.ref)
+            if remove:
+                with contextlib.suppress(NotFound):
+                    self.local.rm(item.ref, expected=item.target)
         if not todo:  # a gate or best may have moved alone
             self.local.drain_to(self.remote, None, latest=self.latest, pointers=self.pointers)
         if todo and self.policy is not None:
@@ -289,24 +310,34 @@ class RemoteTier:
         read the remote once, every checkpoint of the run counts as not there yet."""
         if not plan.dropped:
             return plan
-        with self._cond:
-            scanned, pending = self._scanned, set(self._pending)
-        keeps = None
-        if self.policy is not None:
-            keeps = {d.ref for d in self.local.plan_forget(self.policy).kept}
-        checkpoints = set(self.local.ref_names(self.checkpoints))
-
-        def held(ref: str) -> bool:
-            waiting = ref in pending if scanned else ref in checkpoints
-            return waiting and (keeps is None or ref in keeps)
-
+        held = self.needed({d.ref for d in plan.dropped})
         decisions = tuple(
             replace(d, keep=True, reasons=(*d.reasons, WAITS_FOR_REMOTE))
-            if not d.keep and held(d.ref)
+            if not d.keep and d.ref in held
             else d
             for d in plan.decisions
         )
         return replace(plan, decisions=decisions)
+
+    def needed(self, refs: set[str]) -> set[str]:
+        """Those of ``refs`` the remote still needs: not there yet, and kept by its policy.
+        Makes no remote request: until the drain has read the remote once, every checkpoint
+        of the run counts as not there yet."""
+        with self._cond:
+            scanned, pending = self._scanned, set(self._pending)
+        waiting = refs & (pending if scanned else set(self.local.ref_names(self.checkpoints)))
+        if not waiting or self.policy is None:
+            return waiting
+        return waiting & {d.ref for d in self.local.plan_forget(self.policy).kept}
+
+    def remove_after_drain(self, ref: str) -> bool:
+        """Remove the local ``ref`` now, or, if the remote still needs it, once it is there
+        (an integration's own pruning, e.g. Lightning's ``save_top_k``); whether it waits."""
+        if not self.needed({ref}):
+            return False
+        with self._cond:
+            self._remove_after.add(ref)
+        return True
 
     def apply_local_policy(self, policy: RetentionPolicy) -> ForgetResult:
         """``Repository.forget(policy)`` on the local store, sparing what ``guard`` spares."""
