@@ -63,7 +63,7 @@ from cas.training.runrefs import RunRefs, open_mirror
 from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
 from cas.training.schema import Migration, SchemaMismatch, UserSchema
 from cas.training.signals import SignalTriggers
-from cas.training.tiers import CLOSE_WAIT, RemoteTier
+from cas.training.tiers import CLOSE_WAIT, RemoteTier, explain_full_disk
 
 if TYPE_CHECKING:
     import torch
@@ -389,7 +389,7 @@ class CheckpointManager(RunRefs):
     def _write(self, prepared: PreparedSave) -> SaveResult:
         # One writer lease for the checkpoint, the history append and the pointer refs: a lease
         # is a durable file write and delete, and holding one per commit doubled them per save.
-        with self._write_repo.lease("checkpoint"):
+        with self._write_repo.lease("checkpoint"), explain_full_disk(self.tier):
             return self._write_leased(prepared)
 
     def _write_leased(self, prepared: PreparedSave) -> SaveResult:

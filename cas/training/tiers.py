@@ -21,11 +21,11 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from cas.digest import Digest
-from cas.errors import CASError, NotFound
+from cas.errors import BackendError, CASError, NotFound
 from cas.repo.repository import Repository
 from cas.retention.plan import ForgetPlan, ForgetResult
 from cas.retention.policy import RetentionPolicy
@@ -65,6 +65,23 @@ def record_remote(local: Repository, url: str, checkpoints: str) -> None:
     local.update_config(TIERS_SECTION, {"remote": url, "checkpoints": [*globs, checkpoints]})
 
 
+@contextlib.contextmanager
+def explain_full_disk(tier: RemoteTier | None) -> Iterator[None]:
+    """A save that finds the local disk full says so in one line, with what waits for the
+    remote (whose policy keeps it here until it is there) and why the remote is behind."""
+    try:
+        yield
+    except BackendError as e:
+        if tier is None or "No space left" not in str(e):
+            raise
+        lag = tier.lag()
+        why = f" (last drain error: {lag.error})" if lag.error else ""
+        raise BackendError(
+            f"{e}; the local tier is full while {lag.saves} checkpoints wait for the remote "
+            f"{tier.url}{why}"
+        ) from e
+
+
 def run_selectors(layout: Layout, run: str) -> tuple[str, str, list[str]]:
     """Globs of a run's checkpoint refs, its ``latest`` ref, and globs of its pointers (best, gates)."""
     checkpoint = re.sub(r"\{step[^}]*\}", "*", layout.checkpoint)
@@ -94,7 +111,9 @@ class RemoteTier:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.local = local
-        self.remote = open_remote(remote)
+        self._remote: Repository | None = remote if isinstance(remote, Repository) else None
+        self._remote_url = remote.url if isinstance(remote, Repository) else remote
+        self._opening = threading.Lock()
         self.checkpoints = checkpoints
         self.latest = latest
         self.pointers = list(pointers)
@@ -114,12 +133,30 @@ class RemoteTier:
         """ref -> (saved at, bytes) of the checkpoints the remote lacks, as last seen."""
         self._skipped: set[str] = set()
         self._remove_after: set[str] = set()
+        self._sequence = 0
+        self._notified: dict[str, int] = {}
+        """ref -> the sequence number of its latest ``notify``: a scan that began before it
+        cannot have seen it."""
         self._error: str | None = None
         self.drained = 0
         """Checkpoints this process pushed to the remote."""
-        record_remote(local, self.remote.url, checkpoints)
+        record_remote(local, self.url, checkpoints)
         self._thread = threading.Thread(target=self._run, name="cas-drain", daemon=True)
         self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """Where the remote tier is."""
+        return self._remote_url
+
+    @property
+    def remote(self) -> Repository:
+        """The remote store, opened on first use (by the drain thread, so a remote that is down
+        when the run starts delays nothing but the drain)."""
+        with self._opening:
+            if self._remote is None:
+                self._remote = open_remote(self._remote_url)
+            return self._remote
 
     @classmethod
     def for_run(
@@ -143,6 +180,8 @@ class RemoteTier:
         """A save committed ``ref`` locally: queue it for the remote; the lag, this save included."""
         with self._cond:
             self._pending[ref] = (saved_at, new_bytes)
+            self._sequence += 1
+            self._notified[ref] = self._sequence
             self._skipped.discard(ref)
             self._wanted = True
             self._cond.notify_all()
@@ -150,7 +189,7 @@ class RemoteTier:
         if lag.saves > 1:
             log.info(
                 "remote tier %s: %d saves (%d bytes) not yet there, the oldest %.1fs ago%s",
-                self.remote.url, lag.saves, lag.bytes, lag.age(self.clock()),
+                self.url, lag.saves, lag.bytes, lag.age(self.clock()),
                 f"; last error: {lag.error}" if lag.error else "",
             )  # fmt: skip
         return lag
@@ -204,7 +243,7 @@ class RemoteTier:
         if lag.saves:
             log.warning(
                 "remote tier %s: %d saves (%d bytes) not drained; the next run with this store "
-                "and remote pushes them", self.remote.url, lag.saves, lag.bytes,
+                "and remote pushes them", self.url, lag.saves, lag.bytes,
             )  # fmt: skip
         return lag
 
@@ -227,7 +266,7 @@ class RemoteTier:
                 with self._cond:
                     self._error = f"{type(e).__name__}: {e}"
                 log.warning("remote tier %s: drain failed, retrying in %.0fs: %s",
-                            self.remote.url, delay, e)  # fmt: skip
+                            self.url, delay, e)  # fmt: skip
             with self._cond:
                 self._busy = False
                 if not failed:
@@ -240,19 +279,28 @@ class RemoteTier:
                     self._wanted = True
 
     def _cycle(self) -> None:
+        with self._cond:
+            began = self._sequence
         pending = self.local.pending_on(self.remote, self.checkpoints)
         skip = self._thin(pending)
-        self._remember(pending, skip)
+        self._remember(pending, skip, began)
         todo = [p for p in pending if p.ref not in skip]
         for i, item in enumerate(todo):
             with self._cond:
                 if self._stopping:
                     return
             hold = {p.target for p in todo[i + 1 :]}
-            self.local.drain_to(
-                self.remote, item.ref, latest=self.latest, pointers=self.pointers,
-                hold_back=hold, jobs=self.jobs,
-            )  # fmt: skip
+            try:
+                self.local.drain_to(
+                    self.remote, item.ref, latest=self.latest, pointers=self.pointers,
+                    hold_back=hold, jobs=self.jobs,
+                )  # fmt: skip
+            except NotFound:
+                now = self.local.find_ref(item.ref)
+                if now is not None and now.target == item.target:
+                    raise
+                # The local policy removed it meanwhile, which it does only to checkpoints the
+                # remote policy does not keep; a re-save replaced it: the next cycle has it.
             with self._cond:
                 self._pending.pop(item.ref, None)
                 self.drained += 1
@@ -264,7 +312,10 @@ class RemoteTier:
         if not todo:  # a gate or best may have moved alone
             self.local.drain_to(self.remote, None, latest=self.latest, pointers=self.pointers)
         if todo and self.policy is not None:
-            self.remote.forget(self.policy)
+            try:
+                self.remote.forget(self.policy)
+            except CASError as e:  # a GC holds the remote's maintenance lock: next time
+                log.warning("remote tier %s: its policy did not run: %s", self.url, e)
 
     def _thin(self, pending: list[PendingCheckpoint]) -> set[str]:
         """Checkpoints to pass over for the remote: only when more than ``max_pending`` wait,
@@ -276,11 +327,11 @@ class RemoteTier:
         if skip:
             log.warning(
                 "remote tier %s: %d saves behind; passing over %d the remote policy would not "
-                "keep", self.remote.url, len(pending), len(skip),
+                "keep", self.url, len(pending), len(skip),
             )  # fmt: skip
         return skip
 
-    def _remember(self, pending: list[PendingCheckpoint], skip: set[str]) -> None:
+    def _remember(self, pending: list[PendingCheckpoint], skip: set[str], began: int) -> None:
         """Record the scan: inherited checkpoints get their saved-at and full size."""
         with self._cond:
             known = dict(self._pending)
@@ -296,9 +347,9 @@ class RemoteTier:
             except CASError:
                 fresh[item.ref] = (item.changed_at, 0)
         with self._cond:
-            # Saves notified during the scan are not in it yet: keep them.
+            # Saves notified since the scan began may be missing from it: keep them.
             for ref, value in self._pending.items():
-                if ref not in known:
+                if self._notified.get(ref, 0) > began:
                     fresh.setdefault(ref, value)
             self._pending = fresh
             self._skipped = skip & set(fresh)
@@ -353,7 +404,7 @@ class RemoteTier:
             return self._pull_newer()
         except CASError as e:
             log.warning("remote tier %s unreadable, resuming from the local tier: %s",
-                        self.remote.url, e)  # fmt: skip
+                        self.url, e)  # fmt: skip
             return None
 
     def _pull_newer(self) -> str | None:
@@ -375,7 +426,7 @@ class RemoteTier:
             self.latest, remote.target, expected=local.target if local else None,
             op="pull", message=ref, overwrite=True,
         )  # fmt: skip
-        log.info("resuming from the remote tier: pulled %s from %s", ref, self.remote.url)
+        log.info("resuming from the remote tier: pulled %s from %s", ref, self.url)
         return ref
 
     def heal(self, ref: str, digest: Digest) -> bool:
@@ -391,9 +442,9 @@ class RemoteTier:
             else:
                 self.local.pull(self.remote, [ref], jobs=self.jobs)
         except CASError as e:
-            log.warning("could not heal %s from %s: %s", ref, self.remote.url, e)
+            log.warning("could not heal %s from %s: %s", ref, self.url, e)
             return False
-        log.warning("healed %s from the remote tier %s", ref, self.remote.url)
+        log.warning("healed %s from the remote tier %s", ref, self.url)
         return True
 
 
