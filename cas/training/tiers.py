@@ -122,8 +122,9 @@ class RemoteTier:
         self.jobs = jobs
         self.clock = clock
         self._nice = nice
-        self._retry = retry
-        self._max_retry = max_retry
+        self.retry = retry
+        """Seconds before the first retry of a failed drain; doubled per failure."""
+        self.max_retry = max_retry
         self._cond = threading.Condition()
         self._wanted = True  # a cycle is due: the first one finishes a predecessor's drain
         self._busy = False
@@ -140,6 +141,8 @@ class RemoteTier:
         self._error: str | None = None
         self.drained = 0
         """Checkpoints this process pushed to the remote."""
+        self.sent_bytes = 0
+        """Stored bytes this process's drain wrote to the remote (chunks and manifests)."""
         record_remote(local, self.url, checkpoints)
         self._thread = threading.Thread(target=self._run, name="cas-drain", daemon=True)
         self._thread.start()
@@ -249,7 +252,7 @@ class RemoteTier:
 
     def _run(self) -> None:
         lower_thread_priority(self._nice)  # transfer's copy threads inherit it
-        delay = self._retry
+        delay = self.retry
         while True:
             with self._cond:
                 while not self._wanted and not self._stopping:
@@ -271,11 +274,11 @@ class RemoteTier:
                 self._busy = False
                 if not failed:
                     self._error = None
-                    delay = self._retry
+                    delay = self.retry
                 self._cond.notify_all()
                 if failed:
                     self._cond.wait_for(lambda: self._stopping, delay)
-                    delay = min(self._max_retry, delay * 2)
+                    delay = min(self.max_retry, delay * 2)
                     self._wanted = True
 
     def _cycle(self) -> None:
@@ -291,7 +294,7 @@ class RemoteTier:
                     return
             hold = {p.target for p in todo[i + 1 :]}
             try:
-                self.local.drain_to(
+                report = self.local.drain_to(
                     self.remote, item.ref, latest=self.latest, pointers=self.pointers,
                     hold_back=hold, jobs=self.jobs,
                 )  # fmt: skip
@@ -304,6 +307,7 @@ class RemoteTier:
             with self._cond:
                 self._pending.pop(item.ref, None)
                 self.drained += 1
+                self.sent_bytes += report.transfer.wire_bytes if report.transfer else 0
                 remove = item.ref in self._remove_after
                 self._remove_after.discard(item.ref)
             if remove:
