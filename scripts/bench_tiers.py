@@ -93,7 +93,7 @@ class Loop:
 
     def step(self) -> None:
         logits = self.model(self.tokens)
-        loss = torch.nn.functional.cross_entropy(
+        loss: Any = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), self.tokens[:, 1:].reshape(-1)
         )
         self.opt.zero_grad()
@@ -284,7 +284,11 @@ def resume(loop: Loop, url: str, root: Path) -> dict[str, Any]:
         loop.step()
         return time.perf_counter() - start
 
-    runs = {"cas_empty_machine_s": [], "cas_base_cached_s": [], "boto3_pt_torch_load_s": []}
+    runs: dict[str, list[float]] = {
+        "cas_empty_machine_s": [],
+        "cas_base_cached_s": [],
+        "boto3_pt_torch_load_s": [],
+    }
     for _ in range(3):
         runs["cas_empty_machine_s"].append(from_cas(False))
         runs["cas_base_cached_s"].append(from_cas(True))
