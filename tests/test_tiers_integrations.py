@@ -32,13 +32,9 @@ def test_hf_trainer_checkpoints_drain_to_the_remote_tier(tmp_path: Path) -> None
     assert remote.resolve("runs/bert/latest") == repo.resolve("runs/bert/ckpt_step00000004")
 
 
-def test_lightning_checkpoints_drain_to_the_remote_tier_and_top_k_prunes_only_locally(
-    tmp_path: Path,
-) -> None:
+def _fit_lightning(tmp_path: Path, io: Any) -> None:
     L = require_module("lightning", LIGHTNING_EXTRA)
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from cas.training.integrations.lightning import CASCheckpointIO
 
     class Regressor(L.LightningModule):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
@@ -54,8 +50,6 @@ def test_lightning_checkpoints_drain_to_the_remote_tier_and_top_k_prunes_only_lo
 
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8)
-    repo, remote = cas.open(tmp_path / "store"), cas.open(tmp_path / "remote")
-    io = CASCheckpointIO(repo, "runs/lit", remote=remote)
     checkpoints = ModelCheckpoint(
         dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=1, monitor="step",
         mode="max",
@@ -65,10 +59,35 @@ def test_lightning_checkpoints_drain_to_the_remote_tier_and_top_k_prunes_only_lo
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
     )  # fmt: skip
     trainer.fit(Regressor(), loader)
+
+
+STEPS = ["runs/lit/epoch=0-step=2.ckpt", "runs/lit/epoch=0-step=4.ckpt"]
+LAST = "runs/lit/epoch=0-step=6.ckpt"
+
+
+def test_lightning_checkpoints_drain_to_the_remote_tier_and_top_k_prunes_only_locally(
+    tmp_path: Path,
+) -> None:
+    from cas.training.integrations.lightning import CASCheckpointIO
+
+    repo, remote = cas.open(tmp_path / "store"), cas.open(tmp_path / "remote")
+    io = CASCheckpointIO(repo, "runs/lit", remote=remote)
+    _fit_lightning(tmp_path, io)
     io.teardown()
-    steps = ["runs/lit/epoch=0-step=2.ckpt", "runs/lit/epoch=0-step=4.ckpt"]
-    last = "runs/lit/epoch=0-step=6.ckpt"
     # save_top_k=1 pruned the local store; the remote (no policy: it keeps all) has every save.
-    assert repo.ref_names("runs/lit/*.ckpt") == [last]
-    assert remote.ref_names("runs/lit/*.ckpt") == [*steps, last]
-    assert remote.resolve("runs/lit/latest") == repo.resolve(last)
+    assert repo.ref_names("runs/lit/*.ckpt") == [LAST]
+    assert remote.ref_names("runs/lit/*.ckpt") == [*STEPS, LAST]
+    assert remote.resolve("runs/lit/latest") == repo.resolve(LAST)
+
+
+def test_lightning_top_k_keeps_a_checkpoint_the_remote_still_needs(tmp_path: Path) -> None:
+    from cas.training.integrations.lightning import CASCheckpointIO
+
+    repo, remote = cas.open(tmp_path / "store"), cas.open(tmp_path / "remote")
+    io = CASCheckpointIO(repo, "runs/lit", remote=remote)
+    assert io.tier is not None
+    io.tier.close(0)  # the remote is unreachable from here on: nothing drains
+    _fit_lightning(tmp_path, io)
+    # save_top_k=1 asked to remove steps 2 and 4; the remote (which keeps all) lacks them.
+    assert repo.ref_names("runs/lit/*.ckpt") == [*STEPS, LAST]
+    assert remote.ref_names() == []
