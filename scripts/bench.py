@@ -442,7 +442,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="cas benchmarks")
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sections", default="startup,core,compression,gc,fs,manager,s3")
+    parser.add_argument(
+        "--sections", default="startup,core,encryption,compression,gc,fs,manager,s3"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (smoke test)")
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "bench.json"))
     parser.add_argument("--workdir", default=None, help="scratch directory on the disk to measure")

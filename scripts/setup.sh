@@ -28,3 +28,16 @@ if [ -e /dev/fuse ] && ! ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2'; the
         echo "setup: libfuse is missing (apt-get install fuse3 libfuse2); the mount tests will skip (fail with CI=true)" >&2
     fi
 fi
+# `cas ui`'s tests drive Debian's headless Chromium through Playwright (the Python package is in the
+# dev extra; it downloads no browser of its own). As root on Debian, install it; elsewhere those
+# tests skip and say why (fail, with CI=true).
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq chromium >/dev/null 2>&1 ||
+            { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } ||
+            echo "setup: could not install chromium; the ui browser tests will skip (fail with CI=true)" >&2
+    else
+        echo "setup: chromium is missing (apt-get install chromium); the ui browser tests will skip (fail with CI=true)" >&2
+    fi
+fi

@@ -47,7 +47,8 @@ RANKS: dict[str, int] = {
     "cas.repo": 5,
     "cas.fs": 6,
     "cas.training": 6,
-    "cas.cli": 7,
+    "cas.ui": 7,
+    "cas.cli": 8,
 }
 BLOB_HOLDERS = frozenset({"cas.blobstore", "cas.objects", "cas.refs", "cas.repo", TESTING})
 """Packages that may hold or call a BlobStore (import ``cas.blobstore``, use ``.blobs``)."""

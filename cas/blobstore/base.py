@@ -188,6 +188,12 @@ class BlobStore(ABC):
         """Release connections and file handles."""
 
     @property
+    def accepts_deletes(self) -> bool:
+        """Whether this handle may delete data (refs, chunks, manifests); False for a handle
+        opened append-only, which refuses before any request."""
+        return True
+
+    @property
     def supports_conditional_writes(self) -> bool:
         """Whether compare-and-swap and create-only puts hold against other processes and hosts.
 

@@ -88,6 +88,10 @@ class BlobStoreWrapper(BlobStore):
         self.inner.close()
 
     @property
+    def accepts_deletes(self) -> bool:
+        return self.inner.accepts_deletes
+
+    @property
     def supports_conditional_writes(self) -> bool:
         return self.inner.supports_conditional_writes
 

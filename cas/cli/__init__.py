@@ -5,11 +5,13 @@ from __future__ import annotations
 from cas.cli import core as _core  # noqa: F401  (registers commands)
 from cas.cli import gc as _gc  # noqa: F401  (gc, du, stats, leases, unlock)
 from cas.cli import history as _history  # noqa: F401  (history)
+from cas.cli import keys as _keys  # noqa: F401  (key)
 from cas.cli import mount as _mount  # noqa: F401  (mount)
 from cas.cli import retention as _retention  # noqa: F401  (forget, policy)
 from cas.cli import shell as _shell  # noqa: F401  (completion)
 from cas.cli import status as _status  # noqa: F401  (status)
 from cas.cli import sync as _sync  # noqa: F401  (push, pull, archive)
+from cas.cli import ui as _ui  # noqa: F401  (ui)
 from cas.cli.app import cli, main
 
 __all__ = ["cli", "main"]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from cas.blobstore.appendonly import AppendOnly
 from cas.objects.store import ObjectStore
 from cas.refs.leases import LeaseManager
 from cas.refs.maintenance import MaintenanceService
@@ -48,3 +49,12 @@ class Stores:
     def clock(self) -> Callable[[], float]:
         """The host clock the store was opened with (injected in tests)."""
         return self.maintenance.clock
+
+    def check_deletes(self, what: str) -> None:
+        """Raise ``AppendOnly`` before ``what`` (a forget, a GC sweep, an rm) makes a request
+        through a handle that may not delete, rather than fail half-way through it."""
+        if not self.refs.blobs.accepts_deletes:
+            raise AppendOnly(
+                f"store {self.url} is opened append-only: {what} is refused (forget, gc and rm "
+                "run from a maintenance host's handle)"
+            )

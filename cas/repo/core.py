@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from cas.blobstore import BlobStore
+from cas.blobstore.sealed import StoreKey
 from cas.codecs import Codec, codec_by_name
 from cas.digest import Digest
 from cas.errors import CASError
@@ -117,6 +118,12 @@ class RepositoryCore(RefOperations):
         self.last_write: WriteStats = WriteStats()
         self.delta_settings = DeltaSettings.from_config(config.extra)
         self.chunk_cache = ChunkCache(self.delta_settings.cache_bytes)
+        self.append_only = not blobs.accepts_deletes
+        """Opened append-only: forget, gc and rm are refused (``cas.blobstore.appendonly``)."""
+        self.store_key: StoreKey | None = None
+        """An encrypted store's master key (``cas.repo.keys``); None for a plain store."""
+        self.key_slot: str | None = None
+        """Which of the store's keys opened it."""
 
     @property
     def url(self) -> str:

@@ -28,6 +28,7 @@ from cas.retention.repair import RepairReport, repair
 from cas.retention.space import (
     StoreStats,
     Usage,
+    UsageIndex,
     UsageReport,
     disk_usage,
     manifest_usage,
@@ -133,6 +134,7 @@ class HousekeepingOperations:
 
         Chunks are freed by GC afterwards; ``CheckpointManager`` calls this after each save.
         """
+        self.stores.check_deletes("forget")
         policy = policy or self._stored_policy()
         self.take_snapshots(policy, now=now)
         return self.plan_forget(policy, now=now).execute()
@@ -191,16 +193,25 @@ class HousekeepingOperations:
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
 
-    def status(self, *, clock: Callable[[], float] | None = None) -> StoreStatus:
+    def status(self, *, clock: Callable[[], float] | None = None, lock: bool = True) -> StoreStatus:
         """The retention report ``cas status`` prints: usage against the stored budget,
         protected refs, oldest and newest checkpoint, each run's latest and best, pending GC
         and quarantine (``cas.retention.status``). Takes the maintenance lock briefly, as
-        ``cas gc --dry-run`` does; changes nothing."""
-        return store_status(self.stores, self.retention_policy(), self.gc_settings(), clock=clock)
+        ``cas gc --dry-run`` does; changes nothing. ``lock=False`` writes nothing at all (a
+        read-only view such as ``cas ui``), at the price of a GC figure that a concurrent
+        ``cas gc`` may be changing."""
+        return store_status(
+            self.stores, self.retention_policy(), self.gc_settings(), clock=clock, lock=lock
+        )
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
         return disk_usage(self.stores, selector)
+
+    def usage_index(self) -> UsageIndex:
+        """Every readable ref's objects and their counts, read once, for many usage questions
+        (each run's own bytes, a checkpoint's exclusive bytes): ``cas.retention.space``."""
+        return UsageIndex(self.stores)
 
     def store_stats(self) -> StoreStats:
         """Object counts, and how much dedup and compression save."""

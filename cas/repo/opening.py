@@ -10,11 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_for_use
-from cas.errors import AlreadyExists, IntegrityError, NotFound
+from cas.blobstore.appendonly import APPEND_ONLY_SECTION, AppendOnlyBlobStore
+from cas.blobstore.sealed import SealedBlobStore, StoreKey
+from cas.errors import AlreadyExists, CASError, IntegrityError, NotFound
 from cas.objects.encoding import DeltaSettings
 from cas.objects.keys import parse_object_key
 from cas.objects.store import ObjectStore
 from cas.repo.config import StoreConfig, read_config, write_config
+from cas.repo.keys import (
+    ENCRYPTION_SECTION,
+    SCHEME,
+    KeyRequired,
+    add_slot,
+    open_key,
+    passphrase_from_environment,
+)
 from cas.repo.repository import Repository
 
 STORE_ENV = "CAS_STORE"
@@ -54,10 +64,22 @@ def open(
     filesystem, such as an ``s3fs.S3FileSystem`` configured elsewhere) opens ``url`` as a path
     on that filesystem (``cas.blobstore.fsspec_store``). ``read_limits=`` (``cas.ReadLimits``)
     caps what one read allocates, whatever a manifest declares (default: from the environment).
+
+    An encrypted store (``cas.repo.keys``, ``cas.blobstore.sealed``) opens with ``key=`` (its
+    passphrase; else ``CAS_KEY``, ``CAS_KEY_FILE``, ``CAS_KEY_COMMAND``); a new store at ``url`` is
+    created encrypted when ``key=`` or ``encrypt=True`` is given, with the master key of
+    ``key_from=`` (another encrypted Repository) to share dedup with it. ``append_only=True`` (or
+    ``CAS_APPEND_ONLY=1``, or a store created so) opens a handle that refuses forget, gc and rm.
     """
     cache = options.pop("cache", None)
     read_limits = options.pop("read_limits", None)
     single_writer = bool(options.pop("single_writer", False))
+    key: str | None = options.pop("key", None)
+    encrypt = bool(options.pop("encrypt", False))
+    key_from: Repository | None = options.pop("key_from", None)
+    append_only = bool(options.pop("append_only", False)) or os.environ.get(
+        "CAS_APPEND_ONLY", ""
+    ).strip().lower() in ("1", "true", "yes")
     blobs = open_for_use(
         url if url is not None else default_store_url(),
         shared_writer=not (readonly or single_writer),
@@ -78,6 +100,11 @@ def open(
             raise NotFound(f"no cas store at {blobs.url} (create one with `cas init`)")
         existing = replace(config or StoreConfig(), created_at=clock())
         DeltaSettings.from_config(existing.extra)  # refuse bad settings before creating a store
+        if encrypt or key is not None:
+            shared = key_from.store_key if key_from is not None else None
+            if key_from is not None and shared is None:
+                raise CASError(f"key_from={key_from.url} is not an encrypted store")
+            existing = create_encrypted(blobs, existing, key, shared)
         write_config(blobs, existing)
     elif config is not None and (differ := existing.differences(config)):
         blobs.close()
@@ -87,9 +114,49 @@ def open(
             "settings with Repository.update_settings(...) or extra sections with "
             "Repository.update_config(...); chunk_size and cdc_avg_size are fixed at creation"
         )
+    sealed = ENCRYPTION_SECTION in existing.extra
+    if sealed:
+        if cache is not None:
+            blobs.close()
+            raise CASError("cache= in front of an encrypted store is not supported")
+        try:
+            master, slot = open_key(blobs, key)
+        except CASError:
+            blobs.close()
+            raise
+        blobs = SealedBlobStore(blobs, master)
+    elif key is not None or encrypt:
+        blobs.close()
+        raise CASError(
+            f"the store at {blobs.url} is not encrypted; key= and encrypt= only open or create "
+            "an encrypted one"
+        )
+    append_only = append_only or bool(existing.extra.get(APPEND_ONLY_SECTION, False))
+    if append_only:
+        blobs = AppendOnlyBlobStore(blobs)
     if readonly:
         blobs = ReadOnlyBlobStore(blobs)
-    return Repository(blobs, existing, clock=clock, read_limits=read_limits)
+    repo = Repository(blobs, existing, clock=clock, read_limits=read_limits)
+    if sealed:
+        repo.store_key, repo.key_slot = master, slot.id
+    return repo
+
+
+def create_encrypted(
+    blobs: BlobStore, config: StoreConfig, passphrase: str | None, master: StoreKey | None = None
+) -> StoreConfig:
+    """Wrap a new master key (or ``master``, another store's, so the two dedup against each
+    other) under ``passphrase`` (else the environment's); return ``config`` marked encrypted
+    (the caller writes it, after the key)."""
+    passphrase = passphrase if passphrase is not None else passphrase_from_environment()
+    if passphrase is None:
+        raise KeyRequired(
+            f"a passphrase is needed to create an encrypted store at {blobs.url} "
+            "(key=, CAS_KEY, CAS_KEY_FILE or CAS_KEY_COMMAND)"
+        )
+    add_slot(blobs, master or StoreKey.generate(), passphrase)
+    section = {"scheme": SCHEME, "version": 1}
+    return replace(config, extra={**config.extra, ENCRYPTION_SECTION: section})
 
 
 CACHED_PREFIXES = ("chunks/", "manifests/")

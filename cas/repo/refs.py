@@ -27,6 +27,7 @@ from cas.refs.log import AppendLog
 from cas.refs.maintenance import LeaseStatus, LockHolder, MaintenanceService
 from cas.refs.records import RefEvent, RefRecord
 from cas.refs.store import UPDATE_ATTEMPTS, RefChange, RefStore, UpdateFn, pointing
+from cas.refs.stores import Stores
 
 _ANY: Any = ...
 
@@ -37,6 +38,7 @@ class RefOperations:
     refs_store: RefStore
     leases: LeaseManager
     maintenance: MaintenanceService
+    stores: Stores
     clock: Callable[[], float]
     ref_protection: Callable[[str], str | None]
     """``HousekeepingOperations.ref_protection``: why replacing a ref needs ``overwrite``."""
@@ -170,6 +172,7 @@ class RefOperations:
 
         ``expected``: RefConflict unless the ref still points there.
         """
+        self.stores.check_deletes(f"rm {ref}")
         return self.refs_store.delete(ref, expected=expected).target
 
     # -- append logs ---------------------------------------------------------------------------

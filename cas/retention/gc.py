@@ -187,6 +187,7 @@ class GCPlan:
         Each object is checked once more right before it goes: one modified after the plan's
         cutoff (a writer reused it meanwhile) is spared.
         """
+        self.stores.check_deletes("gc")
         with self.stores.maintenance.lock("gc", enabled=lock):
             plan = self
             for _ in range(REPLANS):
@@ -350,12 +351,15 @@ def plan_gc(
 ) -> GCPlan:
     """Mark and list; return what a sweep would delete. Deletes nothing; raises if a ref or root
     manifest cannot be read. ``clock`` overrides the store's clock (it must agree with the mtimes).
+    Without ``lock`` (a report on a store opened read-only) the plan is a snapshot for reading
+    only, and an interrupted sweep is left for the next locked run to recover.
     """
     maintenance = stores.maintenance
     margin = maintenance.settings.margin
     with maintenance.lock("gc", enabled=lock):
         sweeper = stores.objects.sweeper()
-        sweeper.recover()
+        if lock:
+            sweeper.recover()
         now = clock() if clock is not None else maintenance.store_time()
         leases = maintenance.leases()
         live = tuple(lease for lease in leases if lease.live(now, margin))

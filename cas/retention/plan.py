@@ -97,6 +97,8 @@ class ForgetPlan:
     def execute(self, *, lock: bool = True) -> ForgetResult:
         """Log evictions, then remove the dropped refs (each only if it still names its manifest)."""
         refs = self.stores.refs
+        if self.dropped:
+            self.stores.check_deletes("forget")
         with self.stores.maintenance.lock("forget", enabled=lock):
             skipped: list[tuple[str, str]] = []
             still: list[RefDecision] = []

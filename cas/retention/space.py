@@ -16,7 +16,7 @@ and ``cas show`` (``manifest_usage``) all count with it. Ref history is not coun
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +227,71 @@ def disk_usage(stores: Stores, selector: str = "") -> UsageReport:
         len(union - accounting.sizes.keys()),
         damaged,
     )
+
+
+@dataclass(frozen=True)
+class GroupUsage:
+    """One group of refs (a run, say): logical bytes, stored bytes, and the stored bytes no ref
+    outside the group names (freed if the whole group were forgotten, then collected)."""
+
+    group: str
+    refs: int
+    logical_bytes: int
+    stored_bytes: int
+    exclusive_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        return dict(self.__dict__)
+
+
+class UsageIndex:
+    """Every readable ref's objects and their reference counts, read once: a view that asks
+    many questions (each run's bytes, one checkpoint's exclusive bytes, the total) asks it."""
+
+    def __init__(self, stores: Stores) -> None:
+        self.contents, self.damaged = readable_contents(stores)
+        union = {o for c in self.contents for o in c.objects}
+        self.accounting = Accounting(stores.objects.stored_sizes(union), self.contents)
+        self.by_name = {c.name: c for c in self.contents}
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Stored bytes every readable ref reaches together (``cas du`` of everything)."""
+        return self.accounting.before
+
+    def exclusive(self, ref: str) -> int:
+        """Stored bytes only ``ref`` names (``cas du REF``'s exclusive); NotFound-free: 0 for a
+        ref that is not readable."""
+        content = self.by_name.get(ref)
+        return self.accounting.exclusive(content) if content is not None else 0
+
+    def groups(self, group_of: Callable[[str], str | None]) -> list[GroupUsage]:
+        """Usage per group of refs; ``group_of`` names a ref's group (None: in no group, but its
+        objects still count as shared with the groups that name them too)."""
+        owner: dict[ObjectId, str | None] = {}
+        members: dict[str, list[RefContent]] = {}
+        for content in self.contents:
+            group = group_of(content.name)
+            if group is not None:
+                members.setdefault(group, []).append(content)
+            for obj in content.objects:
+                # An object named from two groups (or from outside every group) is no group's.
+                owner[obj] = group if owner.get(obj, group) == group else None
+        sizes = self.accounting.sizes
+        out = []
+        for group, named in sorted(members.items()):
+            objects = {o for c in named for o in c.objects}
+            out.append(
+                GroupUsage(
+                    group,
+                    len(named),
+                    sum(c.logical_bytes for c in named),
+                    sum(sizes.get(o, 0) for o in objects),
+                    sum(sizes.get(o, 0) for o in objects if owner.get(o) == group),
+                )
+            )
+        return out
 
 
 @dataclass(frozen=True)

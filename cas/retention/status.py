@@ -205,10 +205,12 @@ def store_status(
     settings: GCSettings,
     *,
     clock: Callable[[], float] | None = None,
+    lock: bool = True,
 ) -> StoreStatus:
     """Build the status report (reads every ref and manifest, lists every object once more
-    for the GC plan; deletes nothing)."""
-    gc_plan = plan_gc(stores, settings, clock=clock)
+    for the GC plan; deletes nothing). Without ``lock`` nothing is written, not even the
+    maintenance lock: for a store opened read-only."""
+    gc_plan = plan_gc(stores, settings, clock=clock, lock=lock)
     now = gc_plan.now
     contents, damaged = readable_contents(stores)
     union: set[ObjectId] = {o for c in contents for o in c.objects}

@@ -1,0 +1,179 @@
+"""Encryption benchmark: save and load of one state on an encrypted store against a plain one.
+
+Both stores get the same state (the 1 GiB state of ``scripts/bench.py``'s core section by
+default), in rounds of alternating order, first saves into an empty store and warm loads; the
+ratio encrypted / plain is the figure (target: at most 1.15x). Beside them, restic's backup of the
+same state as one ``.pt`` file, with its own encryption, when ``restic`` is installed.
+
+    python scripts/bench_encryption.py [--size-gb 1.0] [--repeat 3] [--json OUT]
+    python scripts/bench.py --sections encryption
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cas
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSPHRASE = "bench passphrase"
+TARGET = 1.15
+
+
+def make_state(size_gb: float) -> dict[str, torch.Tensor]:
+    """Transformer-like shapes adding up to about ``size_gb`` GiB of float32."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import make_state as core_state
+
+    state: dict[str, torch.Tensor] = core_state(size_gb)
+    return state
+
+
+def rounds(
+    cases: dict[str, tuple[Callable[[], None], Callable[[], None]]], repeat: int
+) -> dict[str, list[float]]:
+    """Each case ``repeat`` times, in rotating order; ``(run, reset)``, reset untimed first."""
+    names = list(cases)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeat):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            run, reset = cases[name]
+            reset()
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def restic_backup(work: Path, state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any] | None:
+    """restic backup of the state as one ``.pt`` (encrypted, as restic always is)."""
+    if shutil.which("restic") is None:
+        return None
+    pt = work / "state.pt"
+    torch.save(state, pt)
+    env = {**os.environ, "RESTIC_PASSWORD": "bench", "RESTIC_REPOSITORY": str(work / "restic"),
+           "RESTIC_CACHE_DIR": str(work / "restic-cache")}  # fmt: skip
+    times = []
+    for _ in range(repeat):
+        shutil.rmtree(work / "restic", ignore_errors=True)
+        subprocess.run(["restic", "init"], env=env, check=True, capture_output=True)
+        start = time.perf_counter()
+        subprocess.run(["restic", "backup", str(pt)], env=env, check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return {"backup_s": statistics.median(times)}
+
+
+def bench(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
+    """Median save and load seconds, plain and encrypted, and their ratios."""
+    state = make_state(size_gb)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    stores = {"plain": work / "plain", "encrypted": work / "encrypted"}
+    keys = {"plain": None, "encrypted": PASSPHRASE}
+
+    def opener(name: str) -> Callable[[], cas.Repository]:
+        return lambda: cas.open(stores[name], key=keys[name])
+
+    def save(name: str) -> Callable[[], None]:
+        def run() -> None:
+            repo = opener(name)()
+            repo.save(state, "bench/ckpt")
+            repo.close()
+
+        return run
+
+    def empty(name: str) -> Callable[[], None]:
+        def reset() -> None:
+            shutil.rmtree(stores[name], ignore_errors=True)
+            opener(name)().close()  # creating the store (and its key) is not the save
+
+        return reset
+
+    saves = rounds({n: (save(n), empty(n)) for n in stores}, repeat)
+    repos = {n: opener(n)() for n in stores}
+    for repo in repos.values():
+        repo.save(state, "bench/ckpt")
+
+    def load(name: str) -> Callable[[], None]:
+        def run() -> None:
+            loaded = repos[name].load("bench/ckpt")
+            assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+        return run
+
+    loads = rounds({n: (load(n), lambda: None) for n in stores}, repeat)
+    for repo in repos.values():
+        repo.close()
+    rows = {
+        n: {"save_s": statistics.median(saves[n]), "load_s": statistics.median(loads[n])}
+        for n in stores
+    }
+    ratios = {
+        "save": rows["encrypted"]["save_s"] / rows["plain"]["save_s"],
+        "load": rows["encrypted"]["load_s"] / rows["plain"]["load_s"],
+    }
+    return {
+        "state_bytes": nbytes,
+        "rows": rows,
+        "rounds": {"save": saves, "load": loads},
+        "ratios": ratios,
+        "target": f"<= {TARGET}",
+        "restic": restic_backup(work, state, repeat),
+    }
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The table."""
+    print(f"{result['state_bytes'] / 2**30:.2f} GiB state; median of rounds in rotating order")
+    print(f"{'store':<11}{'save s':>9}{'load s':>9}")
+    for name, row in result["rows"].items():
+        print(f"{name:<11}{row['save_s']:>9.3f}{row['load_s']:>9.3f}")
+    ratios = result["ratios"]
+    print(
+        f"encrypted / plain: save {ratios['save']:.2f}x, load {ratios['load']:.2f}x "
+        f"(target {result['target']})"
+    )
+    restic = result["restic"]
+    print(
+        f"restic backup of the same state as one .pt (encrypted): {restic['backup_s']:.2f} s"
+        if restic
+        else "restic: not installed, not measured"
+    )
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """``scripts/bench.py --sections encryption``."""
+    with tempfile.TemporaryDirectory(dir=ROOT) as work:
+        result = bench(Path(work), 0.1 if quick else 1.0, 1 if quick else 3)
+    print_result(result)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.workdir or ROOT) as work:
+        result = bench(Path(work), args.size_gb, args.repeat)
+    print_result(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
