@@ -71,7 +71,7 @@ class GPT(torch.nn.Module):
 
 
 SIZES = {
-    "full": {"vocab": 4096, "width": 192, "layers": 4, "heads": 4, "context": 64, "batch": 8},
+    "full": {"vocab": 2048, "width": 128, "layers": 2, "heads": 4, "context": 32, "batch": 4},
     "quick": {"vocab": 256, "width": 32, "layers": 1, "heads": 2, "context": 16, "batch": 2},
 }
 
@@ -343,9 +343,9 @@ def run(quick: bool, root: Path) -> dict[str, Any]:
         results: dict[str, Any] = {
             "note": "one run on a shared, noisy 2-core machine; SeaweedFS on the same host",
             "model": size,
-            "stall": stall(size, root, every=5 if quick else 20, rounds=2 if quick else 8),
-            "bytes": finetune(size, root, saves=3 if quick else 6, steps=2 if quick else 5),
-            "throughput": throughput(root, 2 if quick else 64, 1 if quick else 3),
+            "stall": stall(size, root, every=5 if quick else 10, rounds=2 if quick else 5),
+            "bytes": finetune(size, root, saves=3 if quick else 5, steps=2 if quick else 3),
+            "throughput": throughput(root, 2 if quick else 32, 1 if quick else 2),
         }
     finally:
         server.stop()
