@@ -3,7 +3,8 @@
 A small character-level language model (a frozen "pretrained" embedding plus a trainable MLP head,
 the shape of a fine-tune) trains for a few hundred steps on text from Python's own standard
 library. Every 25 steps the full training state (weights, AdamW moments, scheduler, RNG) is saved
-under a Hydra-style ref; the best checkpoint is copied to a gate, and a weights-only snapshot is
+under a Hydra-style ref and a record of its loss goes into the run's history (`cas history RUN`);
+the best checkpoint is copied to a gate, and a weights-only snapshot is
 taken. At the end the demo prints the refs, what a reload gives back, and how much the store
 deduplicated compared with writing every checkpoint as a file.
 
@@ -24,6 +25,7 @@ import torch
 
 import cas
 from cas.cli.app import human_bytes
+from cas.training.history import TrainingHistory
 
 
 def corpus() -> str:
@@ -70,6 +72,7 @@ def main() -> None:
 
     repo = cas.open(args.store)
     run = f"runs/{dt.datetime.now(dt.timezone.utc):%Y%m%d_%H%M%S}_{seed:08x}"
+    history = TrainingHistory(repo, f"{run}/history")  # what `cas history RUN` prints
     print(f"store {repo.url}\nrun   {run}\n")
     best = float("inf")
     saved_bytes = 0
@@ -97,6 +100,8 @@ def main() -> None:
                 state, ref, metadata={"step": step, "phase": 1, "metrics": {"loss": loss.item()}}
             )
             repo.cp(ref, f"{run}/latest")
+            history.append([{"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
+                             "ref": ref}])  # fmt: skip
             if loss.item() < best:
                 best = loss.item()
                 # `best` is a protected pointer: moving it to a better checkpoint is explicit.

@@ -60,7 +60,13 @@ REPO_INTERNALS = frozenset(
 BACKEND_ABC = "BlobStore"
 """The abstract interface itself: ``isinstance(x, BlobStore)`` tells a store from a URL, not one
 backend from another."""
-TORCH_MODULES = ("cas.model.state", "cas.formats", "cas.training", "cas.fs.torch_view")
+TORCH_MODULES = (
+    "cas.model.state",
+    "cas.model.precision",
+    "cas.formats",
+    "cas.training",
+    "cas.fs.torch_view",
+)
 """Modules (or packages) that may import torch, inside functions."""
 MAX_LINES = 600
 MAX_FLAT = 8

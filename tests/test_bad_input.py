@@ -206,7 +206,10 @@ def test_json_output_stays_json_with_non_finite_metadata(tmp_path: Path) -> None
     store, src = tmp_path / "store", tmp_path / "f.txt"
     src.write_text("hi")
     assert (
-        run_cli(store, "put", str(src), "r", "-m", "loss=NaN", "-m", "source=dir").returncode == 0
+        run_cli(
+            store, "put", str(src), "r", "--meta", "loss=NaN", "--meta", "source=dir"
+        ).returncode
+        == 0
     )
     cas.open(store).save({"w": torch.ones(1)}, "py", metadata={"loss": float("inf")})
 

@@ -18,6 +18,7 @@ from cas.cli import cli
 from cas.cli.app import progress_hidden
 
 NO_JSON = {
+    "cat": "writes the bytes of a stored file to stdout",
     "completion": "prints a shell script",
     "mount": "serves a file system in the foreground; prints nothing",
 }
@@ -82,6 +83,8 @@ def test_tab_after_a_ref_argument_offers_the_stores_ref_names(store: Path) -> No
     assert from_env == ["plain,runs/r1/ckpt_1", "plain,runs/r2/ckpt_1"]
     from_option = complete(f"cas --store {store} cp models/", {"CAS_STORE": ""})
     assert from_option == ["plain,models/base"]
+    after = complete(f"cas cp --store {store} models/", {"CAS_STORE": ""})
+    assert after == ["plain,models/base"]  # the store option after the command counts too
     # A store that cannot be opened completes nothing, quietly.
     assert complete("cas get r", {"CAS_STORE": str(store / "missing")}) == []
 

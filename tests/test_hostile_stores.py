@@ -113,6 +113,11 @@ def test_two_chunks_that_are_each_others_delta_base_are_refused_before_decoding(
     runs = commands(store, tmp_path / "out")
     for name in ("get", "verify", "load"):
         rc, stderr, peak = measured(*runs[name])
+        if name == "verify":
+            # The manifest lists neither base, which verify reports on a line of its own.
+            unlisted = [line for line in stderr.splitlines() if "unlisted-base" in line]
+            assert len(unlisted) == 1, stderr
+            stderr = stderr.replace(unlisted[0], "")
         assert_one_line_refusal(name, rc, stderr, peak)
         assert "delta chain loops" in stderr
     rc, stderr, peak = measured(*runs["show"])  # reads the manifest alone, which is sound

@@ -87,7 +87,7 @@ def test_hf_trainer_checkpoints_land_in_the_store_byte_identical(
     ]  # fmt: skip
     assert repo.resolve("runs/bert/latest") == repo.resolve("runs/bert/ckpt_step00000004")
     files = repo.show("runs/bert/ckpt_step00000004")["files"]
-    assert files["training_args.bin"]["format"] == "opaque"
+    assert files["training_args.bin"]["format"] == "torch-zip"
     assert files["model.safetensors"]["format"] == "safetensors"
     restored = restore_checkpoint(repo, "runs/bert/ckpt_step00000004", tmp_path / "restored")
     original = tmp_path / "out" / "checkpoint-4"

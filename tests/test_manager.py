@@ -759,7 +759,8 @@ def test_resume_refuses_a_checkpoint_saved_for_other_input_data(
     told = manager(repo, system_hash=inputs_v2).restore("resume", allow_system_change=True)
     assert told.step == 5
     assert manager(repo, system_hash=inputs_v2).restore("warm_start").step == 5
-    assert manager(repo).restore("resume").step == 5  # a run without a system hash checks none
+    with pytest.raises(SystemMismatch, match="passes no system_hash"):
+        manager(repo).restore("resume")  # a forgotten hash could hide changed inputs
 
 
 def test_training_code_that_changed_its_state_layout_resumes_older_checkpoints_step_by_step(

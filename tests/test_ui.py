@@ -259,3 +259,27 @@ def test_cas_ui_prints_a_url_with_a_token_and_serves_it(store: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_cas_ui_json_prints_its_address_for_a_script(store: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cas", "--store", str(store), "ui", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        started = json.loads(process.stdout.readline())
+        assert started["url"].endswith(f"?token={started['token']}")
+        status, _ = fetch_from(started["port"], "/storage", started["token"])
+        assert status == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def fetch_from(port: int, path: str, token: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"token {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return answer.status, answer.read()

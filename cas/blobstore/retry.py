@@ -10,7 +10,8 @@ blob's current bytes equal ``data``, the earlier attempt landed and its version 
 That reasoning is sound only if no other writer could store the very same bytes, so payloads
 written by several writers (refs) carry something unique to the writer, such as its id and a
 timestamp. ``delete_conditional`` likewise treats "already gone" after a transient failure as
-success.
+success. The check depends on seeing that transient failure, so below this wrapper nothing
+may retry on its own: an S3 client makes each request once (``cas.blobstore.s3.client``).
 
 ``put_if_absent`` (create-only chunk writes) has the same ambiguity: a retry after an attempt that
 did land finds the key taken and the inner store answers False. So after a transient failure a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -22,29 +23,147 @@ EXIT_USAGE = 2
 
 @dataclass
 class Context:
-    """What every command receives: the store URL and output preferences."""
+    """What every command receives: the store URL and output preferences.
+
+    ``store`` and ``endpoint_url`` are what the command line or the environment gave; the
+    user's config file (``cas.cli.settings``) fills in what they leave out.
+    """
 
     store: str | None
     endpoint_url: str | None
     quiet: bool
+    _config: Any = None
+
+    def user_config(self) -> Any:
+        """The user's config file, read once (an empty config when there is none)."""
+        if self._config is None:
+            from cas.cli.settings import load_user_config
+
+            self._config = load_user_config()
+        return self._config
+
+    def store_url(self) -> str | None:
+        """``--store`` / ``CAS_STORE``, else the config's ``core.store``, else None (the
+        default location)."""
+        if self.store:
+            return self.store
+        configured: str | None = self.user_config().core.get("store")
+        return os.path.expanduser(configured) if configured else None
 
     def open(self, *, create: bool = True, readonly: bool = False) -> Any:
         """Open the ``--store`` store (imported lazily so ``cas --help`` stays fast)."""
-        return self.open_url(self.store, create=create, readonly=readonly)
+        return self.open_url(self.store_url(), create=create, readonly=readonly)
 
-    def open_url(self, url: str | None, **kw: Any) -> Any:
-        """Open a store by URL (None: the default); ``--endpoint-url`` applies to S3 URLs only."""
+    def open_url(self, url: str | None, endpoint_url: str | None = None, **kw: Any) -> Any:
+        """Open a store by URL (None: the default). ``endpoint_url`` (a remote's own), else
+        ``--endpoint-url`` / ``AWS_ENDPOINT_URL``, else the config's, applies to S3 URLs only."""
         from cas.repo.opening import open as open_store
 
         options: dict[str, Any] = {}
-        # AWS_ENDPOINT_URL feeds --endpoint-url; only S3 stores take it (a local one would fail).
-        if self.endpoint_url and (url or "").startswith(("s3://", "s3a://")):
-            options["endpoint_url"] = self.endpoint_url
+        endpoint = endpoint_url or self.endpoint_url
+        if endpoint is None and (url or "").startswith(("s3://", "s3a://")):
+            endpoint = self.user_config().core.get("endpoint_url")
+        # Only S3 stores take an endpoint (a local one would fail).
+        if endpoint and (url or "").startswith(("s3://", "s3a://")):
+            options["endpoint_url"] = endpoint
         return open_store(url, **kw, **options)
+
+    def remote(self, spec: str, local: Any = None) -> Any:
+        """The ``Remote`` that ``--to`` / ``--from`` SPEC names: a remote of the store
+        ``local`` (if given), else of the user's config, else SPEC itself as a URL or path.
+        A remote's name wins over a directory of the same name (write ``./NAME`` for that)."""
+        from cas.cli.settings import Remote, is_remote_name, store_remotes
+
+        if is_remote_name(spec):
+            if local is not None:
+                found = store_remotes(local.config.extra).get(spec)
+                if found is not None:
+                    return found
+            found = self.user_config().remotes.get(spec)
+            if found is not None:
+                return found
+        return Remote(spec, spec, None, "url")
+
+    def open_remote(self, spec: str, local: Any = None, **kw: Any) -> Any:
+        """Open the store ``spec`` names (a remote's name, a URL or a path)."""
+        remote = self.remote(spec, local)
+        return self.open_url(remote.url, remote.endpoint_url, **kw)
+
+
+GLOBAL_VALUE_OPTIONS = ("--store", "--endpoint-url")
+"""Global options that take a value; accepted before or after the command name."""
+GLOBAL_FLAGS = ("-q", "--quiet")
+
+
+def hoist_global_options(group: click.Group, args: Sequence[str]) -> list[str]:
+    """``args`` with the global options found after the command name moved in front of it,
+    so ``cas push REF --to URL --endpoint-url E`` means ``cas --endpoint-url E push ...``.
+
+    The command's own options are walked with their arity, so an option's value that happens to
+    read ``-q`` stays where it is; everything after ``--`` is left alone.
+    """
+    front: list[str] = []
+    tail: list[str] = []
+    args = list(args)
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":  # the root's own
+        front.append(args[i])
+        if args[i] in GLOBAL_VALUE_OPTIONS and i + 1 < len(args):
+            front.append(args[i + 1])
+            i += 1
+        i += 1
+    command: click.Command | None = group
+    while i < len(args):
+        token = args[i]
+        if token == "--":
+            tail.extend(args[i:])
+            break
+        if token in GLOBAL_VALUE_OPTIONS and i + 1 < len(args):
+            front.extend(args[i : i + 2])
+            i += 2
+            continue
+        if token in GLOBAL_FLAGS or token.split("=", 1)[0] in GLOBAL_VALUE_OPTIONS:
+            front.append(token)
+        elif not token.startswith("-") or token == "-":
+            if isinstance(command, click.Group):  # a (sub)command name: walk into it
+                command = command.commands.get(token)
+            tail.append(token)
+        else:
+            tail.append(token)
+            if _takes_value(command, token) and i + 1 < len(args):
+                tail.append(args[i + 1])
+                i += 1
+        i += 1
+    return front + tail
+
+
+def _takes_value(command: click.Command | None, token: str) -> bool:
+    """Whether ``token`` is an option of ``command`` whose value is the next argument."""
+    if command is None or "=" in token:
+        return False
+    for param in command.params:
+        if isinstance(param, click.Option) and token in (*param.opts, *param.secondary_opts):
+            return not (param.is_flag or param.count)
+    return False
+
+
+def json_wanted(args: Sequence[str]) -> bool:
+    """Whether the command line asks for ``--json`` (then errors are JSON too)."""
+    head = list(args)[: list(args).index("--")] if "--" in args else list(args)
+    return "--json" in head
 
 
 class CASGroup(click.Group):
-    """Turns cas errors, OS errors and usage errors into one line on stderr and a non-zero exit."""
+    """Turns cas errors, OS errors and usage errors into one line on stderr and a non-zero exit
+    (one JSON object with ``--json``), and takes global options after the command name too."""
+
+    json_errors = False
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Global options are hoisted in front of the command before click parses them."""
+        if ctx.parent is None:  # shell completion parses this way too: `cas ls --store X r<Tab>`
+            args = hoist_global_options(self, args)
+        return super().parse_args(ctx, args)
 
     def main(
         self,
@@ -55,6 +174,7 @@ class CASGroup(click.Group):
         **extra: Any,
     ) -> Any:
         parent = super().main
+        CASGroup.json_errors = json_wanted(sys.argv[1:] if args is None else args)
         if not standalone_mode:
             return parent(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -67,24 +187,25 @@ class CASGroup(click.Group):
             sys.exit(0)
         except click.UsageError as e:  # one line, not click's usage block
             hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
-            _fail(f"{e.format_message()}{hint}", code=EXIT_USAGE)
+            _fail(f"{e.format_message()}{hint}", code=EXIT_USAGE, kind=type(e).__name__)
         except click.ClickException as e:
-            _fail(e.format_message(), code=e.exit_code)
+            _fail(e.format_message(), code=e.exit_code, kind=type(e).__name__)
         except click.Abort:
-            _fail("aborted", code=130)
+            _fail("aborted", code=130, kind="Aborted")
         sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except CASError as e:
-            _fail(f"{type(e).__name__}: {e}")
+            _fail(f"{type(e).__name__}: {e}", kind=type(e).__name__)
         except BrokenPipeError:  # an OSError, but no failure: `cas ls | head -1`
             _stop_quietly()
         except OSError as e:  # a missing file, no permission, a full or read-only disk...
-            _fail(f"{type(e).__name__}: {e.strerror or e}: {e.filename or ''}".rstrip(": "))
+            text = f"{type(e).__name__}: {e.strerror or e}: {e.filename or ''}".rstrip(": ")
+            _fail(text, kind=type(e).__name__)
         except KeyboardInterrupt:
-            _fail("interrupted", code=130)
+            _fail("interrupted", code=130, kind="Interrupted")
 
 
 def _stop_quietly() -> NoReturn:
@@ -117,8 +238,15 @@ def require_refs(repo: Any, selectors: Iterable[str]) -> None:
             raise NothingSelected(f"no ref matches {selector!r} (see `cas ls`)")
 
 
-def _fail(message: str, code: int = EXIT_PROBLEM) -> None:
-    click.echo(f"cas: error: {message.splitlines()[0] if message else 'failed'}", err=True)
+def _fail(message: str, code: int = EXIT_PROBLEM, kind: str = "Error") -> NoReturn:
+    """Report a failure on stderr (one line, or one JSON object under ``--json``) and exit."""
+    line = message.splitlines()[0] if message else "failed"
+    if CASGroup.json_errors:
+        # A script parses stderr too: the type without its "Name: " prefix in the message.
+        text = line.removeprefix(f"{kind}: ")
+        click.echo(json.dumps({"error": text, "type": kind, "exit_code": code}), err=True)
+    else:
+        click.echo(f"cas: error: {line}", err=True)
     sys.exit(code)
 
 
@@ -250,6 +378,11 @@ def progress_bar(obj: Context, total: int | None, desc: str) -> Iterator[Callabl
     """``byte_bar`` as a plain ``update(nbytes)`` callback."""
     with byte_bar(obj, total, desc) as bar:
         yield bar.update
+
+
+def utc_time(ts: float) -> str:
+    """A timestamp as ``2026-01-15 14:30:22`` (UTC), as listings print it."""
+    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def human_bytes(n: float) -> str:

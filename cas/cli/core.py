@@ -1,8 +1,7 @@
-"""Core commands: init, put, get, ls, show, log, cp, rm, diff, verify."""
+"""Core commands: put, get, ls, log, cp, rm, verify (init: ``store``; show, cat, diff: ``content``)."""
 
 from __future__ import annotations
 
-import datetime as dt
 import itertools
 import sys
 from pathlib import Path
@@ -20,12 +19,9 @@ from cas.cli.app import (
     progress_bar,
     ref_argument,
     require_refs,
+    utc_time,
     warn_damaged,
 )
-
-
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _tree_size(path: Path) -> int:
@@ -35,123 +31,19 @@ def _tree_size(path: Path) -> int:
 
 
 @cli.command()
-@click.option("--chunk-size", type=int, default=None, help="Tensor chunk size in bytes [4 MiB].")
-@click.option(
-    "--codec",
-    default=None,
-    help="Default codec for new chunks: raw (hot, memory-mappable), shuffle-zstd, shuffle-lz4 "
-    "(faster, larger), zstd, or auto (per tensor, deltas against the last keyframe) [raw].",
-)
-@click.option(
-    "--encrypt",
-    is_flag=True,
-    help="Encrypt everything stored, names included (passphrase: CAS_KEY, CAS_KEY_FILE, "
-    "CAS_KEY_COMMAND, else asked for).",
-)
-@click.option(
-    "--key-from",
-    metavar="URL",
-    help="With --encrypt: use the master key of this encrypted store, so the two dedup "
-    "against each other and push/pull copies objects as they are.",
-)
-@click.option(
-    "--append-only",
-    is_flag=True,
-    help="Every handle of the store refuses forget, gc and rm (a maintenance host changes "
-    "the setting with the store's config).",
-)
-@json_option
-@pass_ctx
-def init(
-    obj: Context,
-    chunk_size: int | None,
-    codec: str | None,
-    encrypt: bool,
-    key_from: str | None,
-    append_only: bool,
-    as_json: bool,
-) -> None:
-    """Create a store (other commands create one on first use too).
-
-    \b
-    Examples:
-      cas --store s3://bucket/ckpt init --encrypt        # asks for a passphrase
-      CAS_KEY_COMMAND='pass show cas' cas init --encrypt
-      cas --store /nvme/cas init --encrypt --key-from s3://bucket/ckpt
-    """
-    from dataclasses import replace
-
-    from cas.objects.encoding import standalone_codec
-    from cas.repo.config import StoreConfig
-
-    if key_from and not encrypt:
-        raise click.UsageError("--key-from goes with --encrypt")
-    config = StoreConfig()
-    if append_only:
-        config = replace(config, extra={**config.extra, "append_only": True})
-    if chunk_size is not None:
-        config = replace(config, chunk_size=chunk_size)
-    if codec:
-        standalone_codec(codec, 1)  # an unknown name is an error here
-        config = replace(config, codec=codec)
-    from cas.errors import AlreadyExists, NotFound
-    from cas.repo.opening import open as open_store
-
-    try:  # an existing store's settings are compared below, with the options given
-        repo = open_store(obj.store, create=False)
-    except NotFound:
-        secrets: dict[str, Any] = {}
-        if encrypt:
-            secrets = {"encrypt": True, "key": _new_passphrase()}
-            if key_from:
-                secrets["key_from"] = open_store(key_from, create=False, readonly=True)
-        repo = open_store(obj.store, config=config.validate(), **secrets)
-    else:
-        if encrypt and repo.store_key is None:
-            raise AlreadyExists(f"a plain store already exists at {repo.url}")
-    asked = {"chunk_size": chunk_size, "codec": codec}
-    ignored = [k for k, v in asked.items() if v is not None and getattr(repo.config, k) != v]
-    if ignored:
-        raise AlreadyExists(
-            f"a store already exists at {repo.url} with another {' and '.join(ignored)} "
-            f"({', '.join(f'{k} {getattr(repo.config, k)}' for k in ignored)})"
-        )
-    if as_json:
-        emit_json(
-            {
-                "store": repo.url,
-                "config": repo.config.__dict__,
-                "encrypted": repo.store_key is not None,
-            }
-        )
-    else:
-        sealed = ", encrypted" if repo.store_key is not None else ""
-        click.echo(
-            f"store {repo.url} (chunk size {human_bytes(repo.config.chunk_size)}, "
-            f"codec {repo.config.codec}{sealed})"
-        )
-
-
-def _new_passphrase() -> str | None:
-    """The passphrase from the environment, else asked for twice on a terminal; None lets the
-    store say in one line where it looks for one."""
-    import sys
-
-    from cas.repo.keys import passphrase_from_environment
-
-    found = passphrase_from_environment()
-    if found is None and sys.stdin.isatty():
-        found = click.prompt(
-            "passphrase for the new store", hide_input=True, confirmation_prompt=True
-        )
-    return found
-
-
-@cli.command()
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @ref_argument("ref")
+@click.option("-m", "--message", default="", help="What this checkpoint is (shown by ls -l, log).")
 @click.option(
-    "-m", "--meta", multiple=True, metavar="KEY=VALUE", help="Metadata to record (repeatable)."
+    "-t", "--tag", "tags", multiple=True, metavar="TAG", help="A label to find it by (repeatable)."
+)
+@click.option(
+    "--meta",
+    "--metadata",
+    "meta",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Metadata to record (repeatable). -m, once short for this, is now --message.",
 )
 @click.option(
     "--allow-opaque-pickles",
@@ -183,6 +75,8 @@ def put(
     obj: Context,
     path: Path,
     ref: str,
+    message: str,
+    tags: tuple[str, ...],
     meta: tuple[str, ...],
     allow_pickles: bool,
     codec: str | None,
@@ -212,6 +106,8 @@ def put(
                 parent=parent,
                 progress=update,
                 overwrite=force,
+                message=message,
+                tags=tags,
             )
         except RefusedPickle as e:
             raise e.for_option("--allow-opaque-pickles") from None
@@ -257,20 +153,37 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, Any]:
     "--sha256", is_flag=True, help="Also write GNU coreutils .sha256 sidecars (sha256sum -c)."
 )
 @click.option("-f", "--force", is_flag=True, help="Overwrite existing files.")
+@click.option(
+    "-i",
+    "--include",
+    multiple=True,
+    metavar="GLOB",
+    help="Only the files whose path or name match (e.g. 'model*.safetensors'; repeatable).",
+)
 @json_option
 @pass_ctx
 def get(
-    obj: Context, ref: str, dest: str, fmt: str | None, sha256: bool, force: bool, as_json: bool
+    obj: Context,
+    ref: str,
+    dest: str,
+    fmt: str | None,
+    sha256: bool,
+    force: bool,
+    include: tuple[str, ...],
+    as_json: bool,
 ) -> None:
-    """Write REF to DEST: ingested files come back byte-identical.
+    """Write REF to DEST: ingested files come back byte-identical, with their modes and
+    modification times.
 
     REF may be a name, NAME~N (N versions back) or a manifest digest. DEST ending in / is a
-    directory (made if needed) that a single file is written into.
+    directory (made if needed) that a single file is written into. One file to stdout: `cas cat`.
     """
     repo = obj.open(create=False)
     manifest = repo.manifest(ref)
     with progress_bar(obj, manifest.logical_bytes(), f"get {ref}") as update:
-        written = repo.get_path(ref, dest, fmt=fmt, sha256=sha256, overwrite=force, progress=update)
+        written = repo.get_path(
+            ref, dest, fmt=fmt, sha256=sha256, overwrite=force, progress=update, include=include
+        )
     if as_json:
         emit_json({"ref": ref, "written": [str(p) for p in written]})
     else:
@@ -280,17 +193,42 @@ def get(
 
 @cli.command(name="ls")
 @ref_argument("prefix", default="")
-@click.option("-l", "--long", "long_", is_flag=True, help="Show size, time and metadata.")
+@click.option("-l", "--long", "long_", is_flag=True, help="Show size, time, tags and message.")
+@click.option(
+    "-w",
+    "--where",
+    multiple=True,
+    metavar="COND",
+    help="Only checkpoints whose metadata satisfy KEY OP VALUE, OP one of >= <= > < == != "
+    "(e.g. 'step>=1000'; repeatable, all must hold).",
+)
+@click.option(
+    "-t", "--tag", "tags", multiple=True, metavar="TAG", help="Only checkpoints with this tag."
+)
 @json_option
 @pass_ctx
-def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
+def ls_(
+    obj: Context,
+    prefix: str,
+    long_: bool,
+    where: tuple[str, ...],
+    tags: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """List refs under PREFIX (a prefix like runs/r1, or a glob like 'runs/*/phase2/**').
 
-    A ref whose record or manifest cannot be read is named in a warning on stderr and the rest
-    are listed; the exit status stays 0 (`cas verify` fails on it).
+    --where and --tag read each ref's manifest (no tensor data). A ref whose record or manifest
+    cannot be read is named in a warning on stderr and the rest are listed; the exit status
+    stays 0 (`cas verify` fails on it).
     """
     from cas.errors import CASError
+    from cas.model.where import matches_all, parse_conditions
 
+    try:
+        conditions = parse_conditions(where)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--where") from None
+    filtered = bool(conditions or tags)
     repo = obj.open(create=False, readonly=True)
     listing = repo.list_refs(prefix)
     warnings = [str(d) for d in listing.damaged]
@@ -301,7 +239,7 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
             "manifest": record.target,
             "updated": record.history[-1].time,
         }
-        if long_ or as_json:
+        if long_ or as_json or filtered:
             try:
                 manifest = repo.manifest(record.target)
             except CASError as e:
@@ -309,8 +247,18 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
                 warnings.append(f"{record.name}: {row['error']}")
             else:
                 row.update(
-                    kind=manifest.kind, logical_bytes=manifest.logical_bytes(), meta=manifest.meta
+                    kind=manifest.kind,
+                    logical_bytes=manifest.logical_bytes(),
+                    meta=manifest.meta,
+                    message=manifest.message,
+                    tags=list(manifest.tags),
                 )
+            if filtered and not (
+                "meta" in row
+                and set(tags) <= set(row["tags"])
+                and matches_all(conditions, row["meta"])
+            ):
+                continue
         rows.append(row)
     if as_json:
         emit_json(rows)
@@ -318,47 +266,15 @@ def ls_(obj: Context, prefix: str, long_: bool, as_json: bool) -> None:
         if long_:
             step = row["meta"].get("step", "") if "meta" in row else ""
             size = human_bytes(row["logical_bytes"]) if "logical_bytes" in row else "?"
+            labels = "".join(f" [{t}]" for t in row.get("tags", ()))
+            message = f"  {row['message']}" if row.get("message") else ""
             click.echo(
-                f"{row['manifest'][:12]}  {_when(row['updated'])}  {size:>10}  {step!s:>8}  {row['ref']}"
+                f"{row['manifest'][:12]}  {utc_time(row['updated'])}  {size:>10}  {step!s:>8}  "
+                f"{row['ref']}{labels}{message.splitlines()[0] if message else ''}"
             )
         else:
             click.echo(row["ref"])
     warn_damaged(warnings)
-
-
-@cli.command()
-@ref_argument("ref")
-@json_option
-@pass_ctx
-def show(obj: Context, ref: str, as_json: bool) -> None:
-    """Metadata and tensor table of REF, read from the manifest alone (no tensor data)."""
-    repo = obj.open(create=False, readonly=True)
-    info = repo.show(ref)
-    if as_json:
-        emit_json(info)
-        return
-    click.echo(f"ref       {info['ref']}\nmanifest  {info['manifest']}\nkind      {info['kind']}")
-    click.echo(f"created   {_when(info['created_at'])}\nparent    {info['parent'] or '-'}")
-    click.echo(f"size      {human_bytes(info['logical_bytes'])} in {info['chunks']} chunks")
-    stored = f"stored    {human_bytes(info['stored_bytes'])} (ratio {info['ratio']:.3f})"
-    if info["base_chunks"]:
-        stored += (
-            f", {human_bytes(info['stored_with_bases'])} with {info['base_chunks']} delta bases"
-        )
-    if info["missing_chunks"]:
-        stored += f", {info['missing_chunks']} chunks MISSING"
-    click.echo(stored)
-    for key, value in info["meta"].items():
-        click.echo(f"meta      {key} = {value}")
-    for path, f in info["files"].items():
-        click.echo(f"file      {path}  {f['format']}  {human_bytes(f['size'])}")
-    if info["tensors"]:
-        click.echo(f"{'dtype':<14} {'shape':<22} {'bytes':>10}  {'codec':<14}  path")
-        for t in info["tensors"]:
-            click.echo(
-                f"{t['dtype']:<14} {list(t['shape'])!s:<22} {human_bytes(t['nbytes']):>10}  "
-                f"{t['codec']:<14}  {t['path']}"
-            )
 
 
 @cli.command()
@@ -376,7 +292,8 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     """History of REF, newest first (REF~N addresses entry N).
 
     If part of the history cannot be read (a damaged sealed segment), the events before it are
-    shown, then one warning line, and the exit status is 1.
+    shown, then one warning line, and the exit status is 1. An unreadable entry of the recent
+    history is left out and named in a warning line (exit status 0).
     """
     from cas.errors import CASError
     from cas.refs.records import RefEvent
@@ -390,19 +307,48 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
             events.append(event)
     except CASError as error:
         damage = error
+    tags = _event_tags(repo, events)
     if as_json:
         emit_json(
             [
-                {"n": i, "manifest": e.target, "time": e.time, "op": e.op, "message": e.message}
+                {
+                    "n": i,
+                    "manifest": e.target,
+                    "time": e.time,
+                    "op": e.op,
+                    "message": e.message,
+                    "tags": tags.get(e.target, []),
+                }
                 for i, e in enumerate(events)
             ]
         )
     else:
         for i, e in enumerate(events):
-            click.echo(f"{ref}~{i:<4} {e.target[:16]}  {_when(e.time)}  {e.op:<6} {e.message}")
+            labels = "".join(f" [{t}]" for t in tags.get(e.target, ()))
+            click.echo(
+                f"{ref}~{i:<4} {e.target[:16]}  {utc_time(e.time)}  {e.op:<6} {e.message}{labels}"
+            )
+    record = repo.find_ref(ref)
+    if record is not None:  # shown around: the rest of the history stands (`cas repair`)
+        warn_damaged(f"{ref}: {problem} (not shown)" for problem in record.problems())
     if damage is not None:
         warn_damaged([f"older history of {ref}: {damage}"])
         sys.exit(1)
+
+
+def _event_tags(repo: Any, events: list[Any]) -> dict[str, list[str]]:
+    """The tags of each checkpoint a history names, read from its manifest once; one that
+    cannot be read (collected by GC, damaged) has none here: `log` lists history, `verify`
+    judges it."""
+    from cas.errors import CASError
+
+    out: dict[str, list[str]] = {}
+    for target in dict.fromkeys(e.target for e in events):
+        try:
+            out[target] = list(repo.manifest(target).tags)
+        except CASError:
+            out[target] = []
+    return out
 
 
 @cli.command()
@@ -442,47 +388,6 @@ def cp(obj: Context, src: str, dst: str, only: tuple[str, ...], force: bool, as_
 
 
 @cli.command()
-@ref_argument("refs", nargs=-1, required=True)
-@json_option
-@pass_ctx
-def rm(obj: Context, refs: tuple[str, ...], as_json: bool) -> None:
-    """Delete refs. Their chunks stay until `cas gc` finds them unreferenced."""
-    repo = obj.open(create=False)
-    for ref in refs:  # a typo in one name removes none of them
-        repo.resolve(ref)
-    removed = [{"ref": r, "manifest": repo.rm(r)} for r in refs]
-    if as_json:
-        emit_json(removed)
-    else:
-        for row in removed:
-            click.echo(f"removed {row['ref']} (was {row['manifest'][:16]})")
-
-
-@cli.command()
-@ref_argument("a")
-@ref_argument("b")
-@click.option("-a", "--all", "show_all", is_flag=True, help="List unchanged entries too (=).")
-@json_option
-@pass_ctx
-def diff(obj: Context, a: str, b: str, show_all: bool, as_json: bool) -> None:
-    """Entries that differ between checkpoints A and B (compared by chunk digests).
-
-    The tensors inside ingested .pt and .safetensors files are compared one by one
-    (FILE:TENSOR); two single ingested files are compared whatever their names.
-    """
-    repo = obj.open(create=False, readonly=True)
-    changes = repo.diff(a, b, same=show_all)
-    if as_json:
-        emit_json([c.__dict__ for c in changes])
-        return
-    marks = {"added": "+", "removed": "-", "changed": "M", "retyped": "T", "same": "="}
-    for c in changes:
-        click.echo(f"{marks[c.change]} {c.path}")
-    if not any(c.change != "same" for c in changes):
-        click.echo("no differences")
-
-
-@cli.command()
 @ref_argument("refs", nargs=-1)
 @click.option("--full", is_flag=True, help="Re-read and re-hash every chunk, and check its size.")
 @click.option(
@@ -496,8 +401,9 @@ def diff(obj: Context, a: str, b: str, show_all: bool, as_json: bool) -> None:
     "--repair-from",
     "repair_url",
     default=None,
-    metavar="URL",
-    help="Copy good copies of missing or corrupt objects from this store (implies --full).",
+    metavar="REMOTE|URL",
+    help="Copy good copies of missing or corrupt objects from this store or remote "
+    "(implies --full).",
 )
 @json_option
 @pass_ctx
@@ -558,7 +464,7 @@ def _print_verify(report: Any) -> None:
 def _verify_and_repair(obj: Context, refs: tuple[str, ...], url: str, as_json: bool) -> None:
     """``verify --full --repair-from URL``: heal from another store, report what stays broken."""
     repo = obj.open(create=False)
-    source = obj.open_url(url, create=False, readonly=True)
+    source = obj.open_remote(url, repo, create=False, readonly=True)
     with progress_bar(obj, None, "verify") as update:
         result = repo.repair_from(source, refs or ("",), progress=update)
     if as_json:

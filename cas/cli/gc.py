@@ -74,8 +74,10 @@ def gc(
 ) -> None:
     """Delete chunks and manifests no ref reaches, once older than the grace period.
 
-    Safe while training writes: writers hold leases and refresh what they reuse. GC deletes
-    nothing if any ref or manifest cannot be read.
+    Safe while training writes: writers hold leases and refresh what they reuse. A damaged
+    ref, manifest or history entry is kept and named (a warning line each, exit status 0); what
+    its bytes still name is kept, and while what it reaches cannot be known, GC deletes nothing
+    (`cas repair`, `cas rm`).
     """
     repo = obj.open(create=False)
     doc = run_gc(repo, grace, reflog_window, dry_run, list_keys, as_json)
@@ -90,9 +92,11 @@ def run_gc(
     dry_run: bool,
     list_keys: bool,
     as_json: bool,
+    warned: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Plan GC (store settings, overridden by ``grace``/``window``), print it, execute it unless
-    ``dry_run``; return the JSON document."""
+    ``dry_run``; return the JSON document. Each damaged ref not in ``warned`` gets a warning
+    line on stderr (the run goes on around it)."""
     from dataclasses import replace
 
     settings = repo.gc_settings()
@@ -103,6 +107,7 @@ def run_gc(
     )
     plan = repo.plan_gc(settings)
     doc: dict[str, Any] = {"dry_run": dry_run, "plan": plan.to_dict(keys=list_keys)}
+    warn_damaged(str(d) for d in plan.damaged if d.ref not in warned)
     if not as_json:
         for line in plan.summary():
             click.echo(line)
@@ -160,6 +165,9 @@ def du(obj: Context, selector: str, per_ref: bool, as_json: bool) -> None:
 def stats(obj: Context, as_json: bool) -> None:
     """Chunk, manifest and ref counts, and how much dedup and compression save.
 
+    stored counts what `cas du` and `cas show` count: chunks and manifests (small tensors live
+    in manifests), each once; the dedup ratio is logical bytes over those stored bytes.
+
     A ref whose record or manifest cannot be read is named on stderr and not counted.
     """
     repo = obj.open(create=False, readonly=True)
@@ -174,9 +182,13 @@ def stats(obj: Context, as_json: bool) -> None:
         f"chunks         {s.chunks} ({human_bytes(s.chunk_bytes)}), {s.reachable_chunks} reachable"
     )
     click.echo(f"logical        {human_bytes(s.logical_bytes)} (every ref as a full copy)")
-    click.echo(f"unique         {human_bytes(s.unique_bytes)} -> dedup ratio {s.dedup_ratio:.2f}x")
     click.echo(
-        f"stored         {human_bytes(s.reachable_stored_bytes)} -> compression ratio {s.compression_ratio:.2f}x"
+        f"stored         {human_bytes(s.stored_bytes)} (chunks and manifests refs reach, as "
+        f"`cas du`) -> dedup ratio {s.dedup_ratio:.2f}x (logical / stored)"
+    )
+    click.echo(
+        f"unique         {human_bytes(s.unique_bytes)} decoded in reachable chunks -> "
+        f"compression ratio {s.compression_ratio:.2f}x"
     )
     click.echo(
         f"unreachable    {human_bytes(s.unreachable_bytes)} (freed by `cas gc` after the grace period)"

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx
+from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx, warn_damaged
 from cas.cli.gc import duration_param, run_gc, size_param
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -275,6 +275,9 @@ def forget(
 
     A stored policy's daily snapshots (`cas policy add --daily-snapshot GLOB`) are taken first:
     today's weights-only copy of the newest checkpoint GLOB selects, if it is missing.
+
+    A ref whose record or manifest cannot be read is kept, counted by no rule, and named
+    (a warning line each); the others are pruned to the policy and the exit status is 0.
     """
     repo = obj.open(create=False)
     policy = _policy_from_flags(repo, options)
@@ -290,6 +293,7 @@ def forget(
             click.echo(f"snapshot {taken.ref}: {taken.note}")
         for line in plan.summary(show_kept=verbose or dry_run):
             click.echo(line)
+    warn_damaged(str(d) for d in plan.damaged)
     if not dry_run:
         result = plan.execute()
         out["result"] = {
@@ -305,7 +309,8 @@ def forget(
             for ref, why in result.skipped:
                 click.echo(f"skipped {ref}: {why}")
         if prune:
-            out["gc"] = run_gc(repo, grace, reflog_window, False, False, as_json)
+            warned = frozenset(d.ref for d in plan.damaged)
+            out["gc"] = run_gc(repo, grace, reflog_window, False, False, as_json, warned)
     if as_json:
         emit_json(out)
 

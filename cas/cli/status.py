@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx
+from cas.cli.app import Context, cli, emit_json, json_option, pass_ctx, warn_damaged
 from cas.errors import CASError
 from cas.repo.repository import Repository
 from cas.sync.drain import TIERS_SECTION, TierLag
@@ -17,7 +17,7 @@ from cas.units import format_duration, format_size
 @json_option
 @pass_ctx
 def status(obj: Context, as_json: bool) -> None:
-    """Usage against the budget, protected refs, runs, pending GC and quarantine.
+    """Usage against the budget, protected refs, runs, pending GC, quarantine and damage.
 
     \b
     Reports, without changing anything:
@@ -29,11 +29,14 @@ def status(obj: Context, as_json: bool) -> None:
       runs         each run's latest and best checkpoint, and its gates
       gc           what `cas gc` frees now, and what waits for the grace period until when
       quarantine   objects found corrupt and moved aside
+      damage       refs whose record, manifest or history cannot be read (also one
+                   warning line each on stderr; the exit status stays 0)
       remote tier  where a training run's saves drain to (CheckpointManager(remote=...)),
                    and the saves and bytes not yet there, and since when
     """
     repo = obj.open(create=False)
     report = repo.status()
+    warn_damaged(f"{ref}: {problem}" for ref, problem in report.damage)
     tier = remote_tier(repo)
     if as_json:
         emit_json({**report.to_dict(), **({"remote_tier": tier} if tier else {})})

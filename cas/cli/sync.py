@@ -58,20 +58,25 @@ def _print_report(report: Any, verb: str) -> None:
     )
 
 
-def _open_or_create_like(obj: Context, url: str, like: Any) -> Any:
-    """The store at ``url``; a new one there is made with ``like``'s settings (chunking, codec)."""
+def _open_or_create_like(obj: Context, spec: str, like: Any) -> Any:
+    """The store ``spec`` names (a remote of ``like`` or of the user, a URL, a path); a new one
+    there is made with ``like``'s settings (chunking, codec)."""
     from cas.errors import NotFound
 
     try:
-        return obj.open_url(url, create=False)
+        return obj.open_remote(spec, like, create=False)
     except NotFound:
-        return obj.open_url(url, config=like.config)
+        return obj.open_remote(spec, like, config=like.config)
 
 
 @cli.command()
 @ref_argument("refs", nargs=-1, required=True)
 @click.option(
-    "--to", "url", required=True, metavar="URL", help="Destination store (s3://..., a path)."
+    "--to",
+    "url",
+    required=True,
+    metavar="REMOTE|URL",
+    help="Destination: a remote's name (`cas remote add`), s3://... or a path.",
 )
 @codec_option
 @jobs_option
@@ -98,7 +103,11 @@ def push(
 @cli.command()
 @click.argument("refs", nargs=-1, required=True)
 @click.option(
-    "--from", "url", required=True, metavar="URL", help="Source store (s3://..., a path)."
+    "--from",
+    "url",
+    required=True,
+    metavar="REMOTE|URL",
+    help="Source: a remote's name (`cas remote add`), s3://... or a path.",
 )
 @codec_option
 @jobs_option
@@ -107,14 +116,16 @@ def push(
 def pull(
     obj: Context, refs: tuple[str, ...], url: str, codec: str, jobs: int, as_json: bool
 ) -> None:
-    """Copy REFS (names, prefixes or globs) from the store at URL into this one."""
+    """Copy REFS (names, prefixes or globs) from the store at URL (or a remote) into this one."""
     from cas.errors import NotFound
 
-    remote = obj.open_url(url, create=False, readonly=True)
     try:
         local = obj.open(create=False)
     except NotFound:
-        local = obj.open_url(obj.store, config=remote.config)
+        local = None
+    remote = obj.open_remote(url, local, create=False, readonly=True)
+    if local is None:
+        local = obj.open_url(obj.store_url(), config=remote.config)
     with _transfer_bar(obj, f"pull {url}") as update:
         report = local.pull(remote, list(refs), jobs=jobs, progress=update, codec=codec)
     if as_json:
@@ -125,7 +136,13 @@ def pull(
 
 @cli.command()
 @ref_argument("refs", nargs=-1, required=True)
-@click.option("--to", "url", required=True, metavar="URL", help="Archive store (s3://...).")
+@click.option(
+    "--to",
+    "url",
+    required=True,
+    metavar="REMOTE|URL",
+    help="Archive store: a remote's name (`cas remote add`) or s3://....",
+)
 @click.option(
     "--grace", default="0", show_default=True, metavar="DURATION",
     help="Keep local chunks touched this recently (e.g. 1h).",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import click
 
-from cas.cli.app import Context, cli, pass_ctx
+from cas.cli.app import Context, cli, json_option, pass_ctx
 
 
 @cli.command()
@@ -18,8 +19,9 @@ from cas.cli.app import Context, cli, pass_ctx
     show_default=True,
     help="Address to bind. Anything but loopback lets other machines reach it (with the token).",
 )
+@json_option
 @pass_ctx
-def ui(obj: Context, port: int, host: str) -> None:
+def ui(obj: Context, port: int, host: str, as_json: bool) -> None:
     """Look at runs, checkpoints, lineage, storage and retention in a browser.
 
     Serves the store read-only at a URL printed on start, with a random token in it (as
@@ -27,7 +29,8 @@ def ui(obj: Context, port: int, host: str) -> None:
     their loss curves and checkpoints marked, one checkpoint's tensors and lineage, storage
     against the budget, the stored retention policy's plan, opponent pools. Every page also
     answers JSON (`Accept: application/json` or `?format=json`). CAS_UI_TOKEN sets the token.
-    Runs in the foreground until Ctrl-C.
+    Runs in the foreground until Ctrl-C; with --json the first line it prints is
+    {"store", "url", "port", "token"} for a script.
 
     \b
     Examples:
@@ -50,7 +53,11 @@ def ui(obj: Context, port: int, host: str) -> None:
         repo.close()
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
     server.warm()
-    click.echo(f"cas ui: {repo.url} at {server.url}", err=False)
+    if as_json:
+        started = {"store": repo.url, "url": server.url, "port": server.port, "token": server.token}
+        click.echo(json.dumps(started))  # one line: a script reads it and goes on
+    else:
+        click.echo(f"cas ui: {repo.url} at {server.url}")
     click.echo("(read-only; Ctrl-C stops it)", err=True)
     try:
         server.serve_forever()

@@ -19,9 +19,13 @@ it). Here nothing a pickle names is imported or called. ``scan_pickle`` reads th
 - ``BUILD`` is allowed only on ``OrderedDict`` and numpy objects; ``INST``, ``OBJ``, ``EXT*``,
   text ``PERSID`` and out-of-band buffers are refused outright.
 
-The result is the object tree the file describes, which ``named_tensors`` walks to name tensors
-by their dotted paths. Work and memory stay linear in the pickle's size: bulk copies and hashing
-draw on a budget proportional to it, and hashable keys are bounded in depth.
+The result is the object tree the file describes, which ``named_tensors``
+(``cas.formats._pickle_names``) walks to name tensors by their dotted paths. With
+``foreign_objects=True`` (for a file the caller has agreed never to load) a global outside the
+allowlist is not refused: it and whatever it builds become ``Opaque`` markers, so the tensors
+around an ``argparse.Namespace`` or a config object are still named.
+Work and memory stay linear in the pickle's size: bulk copies and hashing draw on a budget
+proportional to it, and hashable keys are bounded in depth.
 """
 
 from __future__ import annotations
@@ -54,9 +58,6 @@ class BrokenPickle(Exception):
 
 MAX_KEY_DEPTH = 32
 """Deepest tuple accepted as a dict key or set member (hashing recurses in C)."""
-
-MAX_NAME_DEPTH = 256
-"""Deepest container whose tensors are named by path; deeper ones keep storage names."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class Opaque:
     kind: str
     tensor: bool = False
     buildable: bool = False
+    foreign: bool = False
+    """Built by a global outside the allowlist (only when foreign objects are modelled)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,61 +145,18 @@ class ScannedPickle:
     storages: dict[str, StorageRef]
 
 
-def scan_pickle(stream: IO[bytes], *, storage_id_fields: int = 5) -> ScannedPickle:
+def scan_pickle(
+    stream: IO[bytes], *, storage_id_fields: int = 5, foreign_objects: bool = False
+) -> ScannedPickle:
     """Interpret one pickle up to its STOP without importing or calling anything it names.
 
     ``storage_id_fields`` is the length of torch's storage persistent ids: 5 in zip files
     (``"storage"``, type, key, location, numel), 6 in legacy files (plus view metadata).
+    ``foreign_objects`` models globals outside the allowlist (and what they build) as ``Opaque``
+    instead of refusing them; nothing is called either way.
     Raises ``UnsafePickle`` (with the refused ``module.name`` in its message) or ``BrokenPickle``.
     """
-    return _Machine(storage_id_fields).run(stream)
-
-
-def named_tensors(root: object) -> Iterator[tuple[str, TensorRef]]:
-    """Tensors reachable from ``root`` with their dotted paths, depth-first in insertion order.
-
-    The same tensor reached twice is yielded twice; a container reached twice is walked once.
-    Paths through keys that have no plain text form (or deeper than ``MAX_NAME_DEPTH``) are "".
-    """
-    stack: list[tuple[tuple[str, ...] | None, object]] = [((), root)]
-    seen: set[int] = set()
-    while stack:
-        path, obj = stack.pop()
-        if isinstance(obj, TensorRef):
-            yield ("" if path is None else ".".join(path)), obj
-            continue
-        if id(obj) in seen or not isinstance(obj, (dict, list, tuple)):
-            continue
-        seen.add(id(obj))
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        children: list[tuple[tuple[str, ...] | None, object]] = []
-        for key, value in items:
-            text = _key_text(key)
-            if path is None or text is None or len(path) >= MAX_NAME_DEPTH:
-                children.append((None, value))
-            else:
-                children.append(((*path, text), value))
-        stack.extend(reversed(children))
-
-
-def _key_text(key: object) -> str | None:
-    """``str(key)`` for keys whose text is cheap and unambiguous (as a path component)."""
-    if key is None or isinstance(key, (str, bytes, bool, float)):
-        return str(key)
-    if isinstance(key, int):
-        return str(key) if key.bit_length() <= 64 else None
-    if isinstance(key, tuple) and len(key) <= 16 and all(_is_plain_key(k) for k in key):
-        return str(key)
-    if isinstance(key, _Global) and key.name.removeprefix("torch.") in DTYPE_ITEMSIZE:
-        return key.name  # a dtype key prints as torch.float32
-    return None
-
-
-def _is_plain_key(key: object) -> bool:
-    """A constant whose ``str`` is its text (no tuple, no allowed global)."""
-    if isinstance(key, int) and not isinstance(key, bool):
-        return key.bit_length() <= 64
-    return key is None or isinstance(key, (str, bytes, bool, float))
+    return _Machine(storage_id_fields, foreign_objects).run(stream)
 
 
 def _printable(text: str, limit: int = 1000) -> str:
@@ -207,8 +167,9 @@ def _printable(text: str, limit: int = 1000) -> str:
 class _Machine:
     """The unpickler's stack machine, with every side effect replaced by a model of it."""
 
-    def __init__(self, storage_id_fields: int) -> None:
+    def __init__(self, storage_id_fields: int, foreign_objects: bool = False) -> None:
         self.storage_id_fields = storage_id_fields
+        self.foreign_objects = foreign_objects
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
@@ -286,6 +247,8 @@ class _Machine:
         elif name in ("APPEND", "APPENDS"):
             items = [self.pop()] if name == "APPEND" else self.pop_mark()
             target = self.top()
+            if self._is_foreign(target):
+                return  # a foreign object's list items (``__reduce__``'s listitems)
             if type(target) is not list:
                 raise UnsafePickle(f"{name} to a {type(target).__name__}, not a list")
             target.extend(items)
@@ -298,6 +261,8 @@ class _Machine:
             if len(items) % 2:
                 raise BrokenPickle(f"{name} with an odd number of items")
             target = {} if name == "DICT" else self.top()
+            if self._is_foreign(target):
+                return  # a foreign object's dict items (``__reduce__``'s dictitems)
             if not isinstance(target, dict):
                 raise UnsafePickle(f"{name} on a {type(target).__name__}, not a dict")
             for i in range(0, len(items), 2):
@@ -349,6 +314,10 @@ class _Machine:
             self.build(self.pop(), self.top())
         elif name == "BINPERSID":
             self.push(self.storage(self.pop()))
+        elif name in ("INST", "OBJ") and self.foreign_objects:
+            self.pop_mark()  # the class (OBJ) and the constructor's arguments
+            kind = str(arg) if name == "INST" else "object"
+            self.push(Opaque(kind, buildable=True, foreign=True))
         elif name in ("INST", "OBJ"):
             what = _printable(str(arg).replace(" ", ".")) if name == "INST" else "a class"
             raise UnsafePickle(f"opcode {name} ({what}) creates objects; torch.save never uses it")
@@ -381,12 +350,18 @@ class _Machine:
         role = ALLOWED_GLOBALS.get(name)
         if role is not None:
             return _Global(name, role)
+        if self.foreign_objects:
+            return _Refused(name)  # an opaque marker once it is used (``call``)
         if self.refused is None or self.refused == GETATTR:
             self.refused = name
         return _Refused(name)
 
     def call(self, func: Any, args: Any, *, new: bool = False) -> Any:
         """The model of ``func(*args)`` (``REDUCE``) or ``func.__new__(func, *args)``."""
+        if self.foreign_objects and (isinstance(func, _Refused) or self._is_foreign(func)):
+            self.spend(len(args) if isinstance(args, tuple) else 1)
+            kind = func.name if isinstance(func, _Refused) else func.kind
+            return Opaque(kind, buildable=True, foreign=True)
         if isinstance(func, _Refused):
             return self.refused_call(func, args)
         opcode = "NEWOBJ" if new else "REDUCE"
@@ -427,6 +402,10 @@ class _Machine:
         if role is Role.NUMPY:
             return Opaque(func.name, buildable=True)
         raise UnsafePickle(f"calling {func.name} is not allowed (it may only appear as a value)")
+
+    def _is_foreign(self, value: Any) -> bool:
+        """Whether ``value`` is something a foreign global built (only with foreign objects)."""
+        return self.foreign_objects and isinstance(value, Opaque) and value.foreign
 
     def refused_call(self, func: _Refused, args: Any) -> _Refused:
         """``getattr(parent, "Inner")`` spells the nested class ``parent.Inner``, which becomes

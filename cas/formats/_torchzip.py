@@ -25,11 +25,11 @@ from typing import IO, BinaryIO
 
 from cas.errors import FormatError, RefusedPickle
 from cas.formats._pickle_allow import PLAIN_DTYPES
+from cas.formats._pickle_names import named_tensors
 from cas.formats._pickle_scan import (
     BrokenPickle,
     ScannedPickle,
     UnsafePickle,
-    named_tensors,
     scan_pickle,
 )
 from cas.formats.layout import (
@@ -102,14 +102,19 @@ def inspect_torch_zip(
     if prefix is None:
         return opaque_layout(size)
     try:
-        scanned = _scan_data_pkl(name, archive, infos, prefix)
+        scanned: ScannedPickle | None = _scan_data_pkl(name, archive, infos, prefix)
     except FormatError:
-        if allow_opaque_pickles:
+        if not allow_opaque_pickles:
+            raise
+        # Consent to keep the pickle as bytes never loaded: its tensor storages are still cut
+        # at their boundaries, named by a scan that models foreign objects as opaque markers.
+        scanned = _scan_foreign(archive, infos, prefix)
+        if scanned is _TORCHSCRIPT:
             return opaque_layout(size)
-        raise
-    members = _data_members(name, stream, infos, prefix, size)
     try:
-        _check_storages(name, scanned, members)
+        members = _data_members(name, stream, infos, prefix, size)
+        if scanned is not None:
+            _check_storages(name, scanned, members)
     except FormatError:
         if allow_opaque_pickles:
             return opaque_layout(size)
@@ -118,7 +123,7 @@ def inspect_torch_zip(
         # Storage bytes are big-endian, so they never equal a tensor's little-endian bytes.
         return FileLayout(format="torch-zip", size=size)
 
-    described = _describe_storages(scanned, members)
+    described = {} if scanned is None else _describe_storages(scanned, members)
     regions: list[TensorRegion] = []
     for member in members:
         if not member.stored:
@@ -181,6 +186,27 @@ def _scan_data_pkl(
     except _ZIP_ERRORS as e:
         raise _not_loadable(name, f"data.pkl is unreadable: {type(e).__name__}: {e}") from e
     return _scan(name, io.BytesIO(data), storage_id_fields=5)
+
+
+_TORCHSCRIPT = ScannedPickle(None, {})
+"""``_scan_foreign``'s answer for a TorchScript archive, which stays opaque."""
+
+
+def _scan_foreign(
+    archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], prefix: str
+) -> ScannedPickle | None:
+    """``data.pkl`` scanned with foreign objects modelled as opaque; None if even that fails
+    (then the storages keep ``storage/<key>`` names)."""
+    if any(i.filename == f"{prefix}/constants.pkl" for i in infos):
+        return _TORCHSCRIPT
+    pkl = next(i for i in infos if i.filename == f"{prefix}/data.pkl")
+    if pkl.file_size > PICKLE_CAP:
+        return None
+    try:
+        data = archive.read(pkl)
+        return scan_pickle(io.BytesIO(data), storage_id_fields=5, foreign_objects=True)
+    except (UnsafePickle, BrokenPickle, *_ZIP_ERRORS):
+        return None
 
 
 def _check_storages(name: str, scanned: ScannedPickle, members: list[_Member]) -> None:

@@ -93,7 +93,10 @@ def torch_view(node: Any, tensors: tuple[TensorEntry, ...], digest: Digest) -> F
     buffer = io.BytesIO()
     try:
         stubs = {index: _Tensor(storages[index], tensors[index]) for index in used}
-        _Pickler(buffer, protocol=2).dump(decode_state(node, stubs.__getitem__))
+        # The view is of the stored bytes: a tensor stored as float16 reads as float16 here.
+        _Pickler(buffer, protocol=2).dump(
+            decode_state(node, stubs.__getitem__, restore_dtypes=False)
+        )
     except FormatError:
         return None  # a dtype this torch does not know: no torch view of this entry
     records: list[tuple[str, bytes | TensorEntry]] = [

@@ -34,6 +34,24 @@ class DiffEntry:
     nbytes: int
     kind: str = "tensor"
     """``tensor`` (a saved tensor or one inside an ingested file), ``file`` or ``value``."""
+    left_path: str | None = None
+    """The path in the first checkpoint when it differs from ``path`` (tensors paired under a
+    renamed prefix, see ``prefix_pairing``)."""
+
+
+@dataclass(frozen=True)
+class PrefixPairing:
+    """Two checkpoints whose tensors share no name but do once one side's prefix is dropped
+    (``model.w`` against ``w``): the side (``a`` or ``b``, empty for none) and the prefix.
+
+    ``by_name`` compares the tensors inside one ingested file by name alone (a state's
+    ``model.w`` against ``model.safetensors:w``): each side's tensors are all of one file, or all
+    saved from Python.
+    """
+
+    side: str
+    prefix: str
+    by_name: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,20 +130,89 @@ def diff_manifests(
     """
     left_file, right_file = _single_file(left_manifest), _single_file(right_manifest)
     rename = {left_file: right_file} if left_file and right_file else None
-    left = {t.path: t for t in _digest_table(left_manifest, rename)}
-    right = {t.path: t for t in _digest_table(right_manifest)}
+    left_rows, right_rows = _digest_table(left_manifest, rename), _digest_table(right_manifest)
+    pairing = _pairing(left_rows, right_rows)
+    left = _keyed(left_rows, pairing, "a")
+    right = _keyed(right_rows, pairing, "b")
     out = []
-    for path in sorted(left.keys() | right.keys()):
-        x, y = left.get(path), right.get(path)
+    for key in sorted(left.keys() | right.keys()):
+        x, y = left.get(key), right.get(key)
         if x is None and y is not None:
-            out.append(DiffEntry(path, "added", y.nbytes, y.kind))
+            out.append(DiffEntry(y.path, "added", y.nbytes, y.kind))
         elif y is None and x is not None:
-            out.append(DiffEntry(path, "removed", x.nbytes, x.kind))
+            out.append(DiffEntry(x.path, "removed", x.nbytes, x.kind))
         elif x is not None and y is not None:
+            # Shown under the second checkpoint's name, with the first's when it differs.
+            before = x.path if x.path != y.path else None
             if (x.dtype, x.shape) != (y.dtype, y.shape):
-                out.append(DiffEntry(path, "retyped", y.nbytes, y.kind))
+                out.append(DiffEntry(y.path, "retyped", y.nbytes, y.kind, before))
             elif x.identity != y.identity:
-                out.append(DiffEntry(path, "changed", y.nbytes, y.kind))
+                out.append(DiffEntry(y.path, "changed", y.nbytes, y.kind, before))
             elif same:
-                out.append(DiffEntry(path, "same", y.nbytes, y.kind))
+                out.append(DiffEntry(y.path, "same", y.nbytes, y.kind, before))
     return out
+
+
+def _keyed(
+    rows: list[_Comparable], pairing: PrefixPairing | None, side: str
+) -> dict[str, _Comparable]:
+    """Rows by the name they are compared under: the path, with the paired prefix dropped."""
+    if pairing is None:
+        return {row.path: row for row in rows}
+    return {
+        _pair_key(row.path, pairing, side) if row.kind == "tensor" else row.path: row
+        for row in rows
+    }
+
+
+def _pair_key(path: str, pairing: PrefixPairing, side: str) -> str:
+    head, name = _split_tensor_path(path)
+    if pairing.side == side:
+        name = name.removeprefix(pairing.prefix)
+    return name if pairing.by_name else head + name
+
+
+def _split_tensor_path(path: str) -> tuple[str, str]:
+    """``file.pt:model.w`` -> (``file.pt:``, ``model.w``); a saved state's path has no file."""
+    head, sep, name = path.rpartition(":")
+    return (head + sep, name) if sep else ("", path)
+
+
+def prefix_pairing(left: Manifest, right: Manifest) -> PrefixPairing | None:
+    """How ``diff_manifests`` pairs two checkpoints' tensors that share no name: when every
+    tensor of one side starts with one dotted prefix (``model.``) and dropping it gives names
+    the other side has, or when the tensors of one file match a state's (or another file's) by
+    name. None when some names already match, or nothing pairs them."""
+    left_file, right_file = _single_file(left), _single_file(right)
+    rename = {left_file: right_file} if left_file and right_file else None
+    return _pairing(_digest_table(left, rename), _digest_table(right))
+
+
+def _pairing(left: list[_Comparable], right: list[_Comparable]) -> PrefixPairing | None:
+    a = {row.path for row in left if row.kind == "tensor"}
+    b = {row.path for row in right if row.kind == "tensor"}
+    if not a or not b or a & b:
+        return None
+    heads_a = {_split_tensor_path(p)[0] for p in a}
+    heads_b = {_split_tensor_path(p)[0] for p in b}
+    # One file against a state (or another file): its tensors are compared by name alone.
+    by_name = len(heads_a) == len(heads_b) == 1 and heads_a != heads_b
+    if by_name and _keys(a, PrefixPairing("", "", True), "a") & _keys(
+        b, PrefixPairing("", "", True), "b"
+    ):
+        return PrefixPairing("", "", True)
+    for side, names, other in (("a", a, b), ("b", b, a)):
+        firsts = {_split_tensor_path(n)[1].partition(".") for n in names}
+        if any(not dot or not rest for _, dot, rest in firsts):
+            continue
+        prefixes = {head + "." for head, _, _ in firsts}
+        if len(prefixes) != 1:
+            continue
+        pairing = PrefixPairing(side, prefixes.pop(), by_name)
+        if _keys(names, pairing, side) & _keys(other, pairing, "b" if side == "a" else "a"):
+            return pairing
+    return None
+
+
+def _keys(paths: set[str], pairing: PrefixPairing, side: str) -> set[str]:
+    return {_pair_key(p, pairing, side) for p in paths}

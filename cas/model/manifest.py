@@ -11,7 +11,8 @@ Decoding validates every field and bound, so a hostile or corrupt manifest is a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,9 @@ class FileEntry:
     chunks: tuple[ChunkRef, ...]
     regions: tuple[FileRegion, ...] = ()
     mode: int = 0o644
+    mtime_ns: int | None = None
+    """The file's modification time when ingested (None in manifests written before cas kept
+    it, and for streamed files): ``cas get`` sets it back."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,10 @@ class Manifest:
     created_at: float = 0.0
     parent: Digest | None = None
     chunk_size: int = 0
+    message: str = ""
+    """What the checkpoint is, in the writer's words (``cas put -m``, ``save(message=)``)."""
+    tags: tuple[str, ...] = ()
+    """Labels to find it by (``cas put --tag eval``, ``cas ls --tag eval``)."""
 
     def chunk_refs(self) -> Iterator[ChunkRef]:
         """Every chunk this manifest names, tensors' and files' (repeats possible)."""
@@ -127,6 +135,21 @@ class Manifest:
         for tensor in self.tensors:
             digests.update(tensor.base_digests())
         return digests
+
+    def bases_by_chunk(self) -> dict[Digest, set[Digest]]:
+        """Each chunk GC keeps for this manifest -> the delta bases it lists for that chunk.
+
+        GC keeps exactly these (invariant 4), so a stored chunk that is a delta against any
+        other base breaks once that base is swept. An entry's bases are its chunks' whole
+        chains, so a base may itself be a delta against another base of the same entry; file
+        chunks are allowed none.
+        """
+        allowed: dict[Digest, set[Digest]] = {d: set() for d in self.chunk_digests()}
+        for tensor in self.tensors:
+            bases = set(tensor.base_digests())
+            for digest in [*(ref.digest for ref in tensor.chunks), *bases]:
+                allowed[digest].update(bases)
+        return allowed
 
     def logical_bytes(self) -> int:
         """Bytes a reader gets back: tensor bytes for a state, file bytes for files."""
@@ -167,26 +190,35 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "meta": manifest.meta,
         "tensors": [_pack_tensor(t) for t in manifest.tensors],
     }
+    # Absent when empty: a manifest without them is byte for byte what older cas wrote.
+    if manifest.message:
+        doc["message"] = manifest.message
+    if manifest.tags:
+        doc["tags"] = list(check_tags(manifest.tags))
     if manifest.kind == "state":
         doc["tree"] = manifest.tree
     else:
         for path in manifest.files:  # never store a manifest decode_manifest would refuse
             check_relative_path(path)
-        doc["files"] = {
-            path: {
-                "size": e.size,
-                "format": e.format,
-                "mode": e.mode,
-                "chunks": _pack_chunks(e.chunks),
-                "regions": [[r.name, r.tensor_index, r.offset] for r in e.regions],
-            }
-            for path, e in sorted(manifest.files.items())
-        }
+        doc["files"] = {path: _pack_file(e) for path, e in sorted(manifest.files.items())}
     try:
         packed: bytes = msgpack.packb(doc, use_bin_type=True, strict_types=False)
         return packed
     except (TypeError, ValueError, OverflowError) as e:
         raise FormatError(f"cannot encode manifest: {e}") from e
+
+
+def _pack_file(entry: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "size": entry.size,
+        "format": entry.format,
+        "mode": entry.mode,
+        "chunks": _pack_chunks(entry.chunks),
+        "regions": [[r.name, r.tensor_index, r.offset] for r in entry.regions],
+    }
+    if entry.mtime_ns is not None:  # absent, a manifest is byte for byte what older cas wrote
+        doc["mtime_ns"] = entry.mtime_ns
+    return doc
 
 
 def _unpack_chunks(raw: Any, total: int, refs: dict[int, ChunkRef]) -> tuple[ChunkRef, ...]:
@@ -258,6 +290,8 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
     expect(is_size(size, MAX_ELEMENT_BYTES), "bad file size")
     expect(is_name(fmt), "bad file format")
     expect(is_size(mode, 0o7777), "bad file mode")
+    mtime_ns = raw.get("mtime_ns")
+    expect(mtime_ns is None or is_int(mtime_ns), "bad file mtime")
     raw_regions = raw.get("regions", [])
     expect(isinstance(raw_regions, list), "file regions are not a list")
     regions = []
@@ -268,7 +302,12 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
         expect(is_size(offset, size), "bad region offset")
         regions.append(FileRegion(name, index, offset))
     return FileEntry(
-        size, fmt, _unpack_chunks(raw.get("chunks"), size, refs), tuple(regions), mode & 0o777
+        size,
+        fmt,
+        _unpack_chunks(raw.get("chunks"), size, refs),
+        tuple(regions),
+        mode & 0o777,
+        mtime_ns,
     )
 
 
@@ -335,6 +374,11 @@ def decode_manifest(data: bytes) -> Manifest:
     chunk_size = doc.get("chunk_size", 0)
     expect(isinstance(created_at, float) or is_int(created_at), "bad created_at")
     expect(is_size(chunk_size, MAX_CHUNK_BYTES), "bad chunk_size")
+    message = doc.get("message", "")
+    expect(isinstance(message, str) and len(message) <= MAX_MESSAGE_LENGTH, "bad message")
+    tags = doc.get("tags", [])
+    expect(isinstance(tags, list) and len(tags) <= MAX_TAGS, "bad tags")
+    expect(all(is_name(t) and _TAG.fullmatch(t) for t in tags), "bad tag")
     return Manifest(
         kind=kind,
         tensors=tensors,
@@ -344,7 +388,38 @@ def decode_manifest(data: bytes) -> Manifest:
         created_at=float(created_at),
         parent=parse_digest(parent) if parent else None,
         chunk_size=chunk_size,
+        message=message,
+        tags=tuple(tags),
     )
+
+
+MAX_MESSAGE_LENGTH = 65536
+MAX_TAGS = 256
+_TAG = re.compile(r"[A-Za-z0-9_.:+@-]{1,128}")
+"""A tag is one word of letters, digits and ``_.:+@-`` (no spaces, no slashes, no globs)."""
+
+
+def check_tags(tags: Iterable[str]) -> tuple[str, ...]:
+    """Validate and de-duplicate tags (order kept); a bad one is a FormatError naming it."""
+    out: list[str] = []
+    for tag in tags:
+        if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+            raise FormatError(
+                f"bad tag {str(tag)[:64]!r}: one word of letters, digits and _.:+@- "
+                "(at most 128 characters)"
+            )
+        if tag not in out:
+            out.append(tag)
+    if len(out) > MAX_TAGS:
+        raise FormatError(f"at most {MAX_TAGS} tags on a checkpoint")
+    return tuple(out)
+
+
+def check_message(message: str) -> str:
+    """Validate a checkpoint's message (a str of at most 64 KiB characters)."""
+    if not isinstance(message, str) or len(message) > MAX_MESSAGE_LENGTH:
+        raise FormatError(f"a message is a str of at most {MAX_MESSAGE_LENGTH} characters")
+    return message
 
 
 def check_meta(metadata: dict[str, Any] | None) -> dict[str, Any]:

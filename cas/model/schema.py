@@ -103,6 +103,7 @@ def check_tree(tree: Any, tensor_count: int, itemsizes: dict[str, int]) -> None:
             items = node.get("items")
             expect(isinstance(items, list), f"{tag} items are not a list")
             if tag == "dict":
+                expect(node.get("type") is None or is_name(node.get("type")), "bad dict type")
                 for item in items:
                     expect(isinstance(item, list) and len(item) == 2, "dict item is not a pair")
                     key = item[0]
@@ -117,6 +118,8 @@ def check_tree(tree: Any, tensor_count: int, itemsizes: dict[str, int]) -> None:
         value = node.get("i" if tag == "tensor" else "v")
         if tag == "tensor":
             expect(is_int(value) and 0 <= value < tensor_count, "tensor index out of range")
+            restore = node.get("as", "float32")
+            expect(restore in ("float64", "float32", "float16", "bfloat16"), "bad tensor 'as'")
         elif tag == "int":
             expect(isinstance(value, str) and _INT_TEXT.match(value) is not None, "bad big int")
         elif tag == "dtype":

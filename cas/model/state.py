@@ -2,9 +2,11 @@
 
 A state is any nesting of dicts (str or int keys), lists and tuples whose leaves are tensors,
 numpy arrays and scalars, ints, floats, strings, bytes, bools, None, ``torch.dtype`` and
-``torch.device``. Containers become tagged msgpack maps (``{"~": "dict", "items": [[k, v], ...]}``),
+``torch.device``; a dataclass instance (a config) is stored as a dict of its fields that names its
+type, and loads as that dict. Containers become tagged msgpack maps (``{"~": "dict", "items": [[k, v], ...]}``),
 plain values stay plain, and each tensor becomes ``{"~": "tensor", "i": n}``, an index into the
-manifest's tensor table. The same tensor object reached twice is stored once and comes back as
+manifest's tensor table. The same tensor reached twice (one object, or two objects over the same
+elements of one storage, as ``state_dict()`` gives tied weights) is stored once and comes back as
 one object (tied weights stay tied). A sparse tensor (COO or CSR) becomes a ``sparse`` node naming
 its component tensors (indices and values, or row pointers, columns and values) and its size, so
 it comes back bit-exact without being densified.
@@ -12,6 +14,7 @@ it comes back bit-exact without being densified.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -155,13 +158,20 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
     seen_sparse: dict[int, dict[str, Any]] = {}
     keep_alive: list[Any] = []
 
+    aliases: dict[tuple[Any, ...], int] = {}
+
     def add(obj: Any, source: Callable[[], TensorSource]) -> dict[str, Any]:
         index = seen.get(id(obj))
+        alias = alias_key(obj) if index is None else None
+        if index is None and alias is not None:
+            index = aliases.get(alias)
         if index is None:
             index = len(sources)
             sources.append(source())
-            seen[id(obj)] = index
-            keep_alive.append(obj)  # ids stay unique only while the objects live
+            keep_alive.append(obj)  # ids and data pointers stay unique only while objects live
+            if alias is not None:
+                aliases[alias] = index
+        seen[id(obj)] = index
         return {"~": "tensor", "i": index}
 
     def walk(obj: Any, path: str) -> Any:
@@ -223,6 +233,15 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
                 "~": tag,
                 "items": [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)],
             }
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            # A config dataclass: its fields, stored as a dict that names the type; it loads as
+            # that dict (cas never imports a class a store names).
+            kind = type(obj)
+            fields = [
+                [f.name, walk(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name)]
+                for f in dataclasses.fields(obj)
+            ]
+            return {"~": "dict", "items": fields, "type": f"{kind.__module__}.{kind.__qualname__}"}
         if isinstance(obj, torch.dtype):
             return {"~": "dtype", "v": torch_dtype_name(obj)}
         if isinstance(obj, torch.device):
@@ -234,6 +253,29 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
 
     tree = walk(state, "")
     return tree, sources
+
+
+def alias_key(obj: Any) -> tuple[Any, ...] | None:
+    """What makes two tensor objects one tensor: the same elements of the same storage.
+
+    ``state_dict()`` returns a new tensor object per name, so tied weights (an embedding and
+    ``lm_head.weight``) are two objects over one storage; they are stored once and load as one
+    tensor, as ``torch.load`` keeps them sharing memory. Empty tensors are never aliases.
+    """
+    import torch
+
+    if not isinstance(obj, torch.Tensor) or obj.numel() == 0 or obj.layout != torch.strided:
+        return None
+    return (
+        obj.device,
+        obj.untyped_storage().data_ptr(),
+        obj.storage_offset(),
+        obj.dtype,
+        tuple(obj.shape),
+        obj.stride(),
+        obj.is_conj(),
+        obj.is_neg(),
+    )
 
 
 def iter_tensor_paths(tree: Any, path: str = "") -> Iterator[tuple[str, int]]:
@@ -251,6 +293,25 @@ def iter_tensor_paths(tree: Any, path: str = "") -> Iterator[tuple[str, int]]:
         elif tag in ("list", "tuple"):
             for i, value in enumerate(tree["items"]):
                 yield from iter_tensor_paths(value, f"{path}.{i}" if path else str(i))
+
+
+def tensor_casts(tree: Any) -> dict[int, str]:
+    """Tensor index -> the dtype a load gives back, for tensors a precision policy stored in
+    another dtype (their node's ``"as"``)."""
+    out: dict[int, str] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        tag = node.get("~")
+        if tag == "tensor" and "as" in node:
+            out[int(node["i"])] = str(node["as"])
+        elif tag == "dict":
+            stack.extend(value for _, value in node["items"])
+        elif tag in ("list", "tuple"):
+            stack.extend(node["items"])
+    return out
 
 
 def selected_tensors(tree: Any, select: Callable[[str], bool] | None) -> list[int]:
@@ -279,9 +340,16 @@ def selected_tensors(tree: Any, select: Callable[[str], bool] | None) -> list[in
 
 
 def decode_state(
-    tree: Any, tensor: Callable[[int], Any], select: Callable[[str], bool] | None = None
+    tree: Any,
+    tensor: Callable[[int], Any],
+    select: Callable[[str], bool] | None = None,
+    *,
+    restore_dtypes: bool = True,
 ) -> Any:
     """Rebuild a state from a tree; ``tensor(i)`` materialises table entry ``i``.
+
+    A tensor a precision policy stored in another dtype is cast back to its own, unless
+    ``restore_dtypes=False`` (a view of the stored bytes, as the ``cas://`` ``.pt`` files are).
 
     With ``select``, only leaves whose path it accepts are kept: dicts drop the rest, lists and
     tuples keep their length with ``None`` in unselected places, and empty containers vanish.
@@ -297,7 +365,11 @@ def decode_state(
         if tag == "tensor":
             if select is not None and not select(path):
                 return missing
-            return tensor(int(node["i"]))
+            value = tensor(int(node["i"]))
+            # Stored in another dtype by a precision policy (``cas.model.precision``).
+            if "as" not in node or not restore_dtypes:
+                return value
+            return value.to(torch_dtype(str(node["as"])))
         if tag == "sparse":
             if select is not None and not sparse_selected(node, path, select):
                 return missing

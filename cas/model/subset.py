@@ -43,6 +43,8 @@ def subset_manifest(
             created_at,
             parent,
             manifest.chunk_size,
+            manifest.message,
+            manifest.tags,
         )
 
     kept: list[TensorEntry] = []
@@ -54,7 +56,16 @@ def subset_manifest(
     if tree is None:
         raise NotFound(f"no entry matches {list(patterns)}")
     return Manifest(
-        "state", tuple(kept), tree, {}, dict(manifest.meta), created_at, parent, manifest.chunk_size
+        "state",
+        tuple(kept),
+        tree,
+        {},
+        dict(manifest.meta),
+        created_at,
+        parent,
+        manifest.chunk_size,
+        manifest.message,
+        manifest.tags,
     )
 
 
@@ -66,7 +77,7 @@ def _rebuild_tree(tree: Any, select: Any, remap: dict[int, int]) -> Any:
         if isinstance(node, dict):
             tag = node.get("~")
             if tag == "tensor":
-                return {"~": "tensor", "i": remap[int(node["i"])]} if select(path) else missing
+                return {**node, "i": remap[int(node["i"])]} if select(path) else missing
             if tag == "sparse":
                 if not sparse_selected(node, path, select):
                     return missing
@@ -79,7 +90,7 @@ def _rebuild_tree(tree: Any, select: Any, remap: dict[int, int]) -> Any:
                     item = walk(value, f"{path}.{key}" if path else str(key))
                     if item is not missing:
                         items.append([key, item])
-                return {"~": "dict", "items": items} if items else missing
+                return {**node, "items": items} if items else missing
             if tag in ("list", "tuple"):
                 values = [
                     walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node["items"])

@@ -537,12 +537,13 @@ class ObjectStore:
         own bytes are at fault) or NotFound if bad."""
         return len(self._get_chunk(digest, "verify"))
 
-    def declared_size(self, digest: Digest) -> int:
-        """The decoded size a stored chunk's header declares (one small ranged read, no
-        decoding); NotFound if missing, IntegrityError (quarantined) if the header is bad."""
+    def declared(self, digest: Digest) -> tuple[int, Digest | None]:
+        """The decoded size and the delta base a stored chunk's header declares (one small
+        ranged read, no decoding); NotFound if missing, IntegrityError (quarantined) if bad."""
         try:
             head = self.blobs.get_range(chunk_key(digest), 0, HEADER_SIZE + MAX_PARAMS)
-            return parse_envelope(head, self.max_object_size).decoded_size
+            envelope = parse_envelope(head, self.max_object_size)
+            return envelope.decoded_size, codec_by_id(envelope.codec_id).base_of(envelope.params)
         except NotFound as e:
             raise self._missing(ObjectKind.CHUNK, digest, e) from e
         except FormatError as e:

@@ -3,7 +3,7 @@
 A listing (``cas ls``, ``du``, ``stats``, ``verify``) must not let one damaged ref hide the rest:
 it shows every ref it can read and names each one it cannot, with the reason. What to do about a
 damaged ref (warn, or fail) is the caller's choice; GC, which could delete what a damaged ref
-protects, refuses instead (``cas.retention.gc``).
+protects, keeps what it may reach (``cas.retention.damage``).
 """
 
 from __future__ import annotations

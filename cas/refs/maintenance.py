@@ -167,10 +167,9 @@ class MaintenanceLock:
 
     def _take(self) -> None:
         now = self.clock()
+        sent = self._document(now)
         try:
-            self._version = self.blobs.put_conditional(
-                MAINTENANCE_LOCK_KEY, self._document(now), None
-            )
+            self._version = self.blobs.put_conditional(MAINTENANCE_LOCK_KEY, sent, None)
             self.expires = now + self.duration
             return
         except PreconditionFailed:
@@ -179,6 +178,12 @@ class MaintenanceLock:
             data, version = self.blobs.get_versioned(MAINTENANCE_LOCK_KEY)
         except NotFound:
             data, version = b"", None
+        if version is not None and data == sent:
+            # Our own take, whose reply was lost and whose retry then found the key taken: the
+            # document names this run and the instant it was written, so no one else wrote it.
+            self._version = version
+            self.expires = now + self.duration
+            return
         holder = parse_lock(data)
         if (
             version is not None

@@ -51,6 +51,15 @@ class SealedHistory:
 
 
 @dataclass(frozen=True)
+class DamagedEvent:
+    """A history entry that cannot be read (a target that is no digest, a missing field): kept
+    as stored, so no rewrite of the record loses it, and reported until ``cas repair``."""
+
+    raw: Any
+    reason: str
+
+
+@dataclass(frozen=True)
 class RefRecord:
     """A ref as stored: its current target, its recent history (oldest first, current last) and
     the sealed segments holding older history (oldest first). ``RefStore.events`` walks all of it.
@@ -62,6 +71,9 @@ class RefRecord:
     version: Version | None = None
     """The blob version this record was read at; compare-and-swap uses it."""
     sealed: tuple[SealedHistory, ...] = ()
+    damaged_events: tuple[DamagedEvent, ...] = field(default=(), compare=False)
+    """Inline history entries that cannot be read: left out of ``history``, written back as
+    they were (under ``damaged``) whenever the record is rewritten."""
     legacy_key: str | None = field(default=None, compare=False)
     """Set when the record was read from the key an older cas gave a long name
     (``cas.refs.keys.legacy_key``); the next update moves it to its current key."""
@@ -70,6 +82,10 @@ class RefRecord:
     def depth(self) -> int:
         """How many events the whole history holds."""
         return segments.total(self.history, self.sealed)
+
+    def problems(self) -> list[str]:
+        """What is wrong with the record though it can be read: its unreadable history entries."""
+        return [f"history entry {e.raw!r:.60}: {e.reason}" for e in self.damaged_events]
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,8 @@ def encode_ref(record: RefRecord, *, fence: str = "") -> bytes:
     }
     if record.sealed:
         doc["sealed"] = [[s.digest, s.count, s.until] for s in record.sealed]
+    if record.damaged_events:
+        doc["damaged"] = [e.raw for e in record.damaged_events]
     if fence:
         doc["fence"] = fence
     packed: bytes = msgpack.packb(doc)
@@ -142,6 +160,27 @@ def unpack_events(raw: Any) -> tuple[RefEvent, ...]:
     return tuple(RefEvent(parse_digest(t), float(ts), str(op), str(msg)) for t, ts, op, msg in raw)
 
 
+def _readable_events(raw: Any) -> tuple[tuple[RefEvent, ...], tuple[DamagedEvent, ...]]:
+    """Inline events, each parsed alone: one bad entry must not make the whole ref unreadable
+    (``show`` and ``save`` need only the target), so it is set aside with its reason."""
+    if not isinstance(raw, list):
+        raise FormatError(f"history is a {type(raw).__name__}, not a list")
+    good: list[RefEvent] = []
+    bad: list[DamagedEvent] = []
+    for entry in raw:
+        try:
+            good.extend(unpack_events([entry]))
+        except Exception as e:
+            bad.append(DamagedEvent(entry, str(e) or type(e).__name__))
+    return tuple(good), tuple(bad)
+
+
+def _still_damaged(raw: Any) -> DamagedEvent:
+    """An entry an earlier write set aside (see ``_readable_events``), with why it is unreadable."""
+    _, bad = _readable_events([raw])
+    return bad[0] if bad else DamagedEvent(raw, "set aside as unreadable by an earlier read")
+
+
 def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord:
     """Parse a ref blob, refusing unknown formats and versions."""
     if len(data) > MAX_REF_BLOB:
@@ -154,14 +193,19 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
             raise _fence(name, doc, version)
         if doc.get("version") not in (REF_VERSION, REF_VERSION_SEALED):
             raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
-        history = unpack_events(doc["history"])
+        history, damaged = _readable_events(doc["history"])
+        earlier = doc.get("damaged", [])
+        if not isinstance(earlier, list):
+            raise FormatError("its damaged history entries are not a list")
+        damaged += tuple(_still_damaged(raw) for raw in earlier)
         sealed = tuple(
             SealedHistory(parse_digest(d), _count(n), float(until))
             for d, n, until in doc.get("sealed", ())
         )
         if not history:
             raise FormatError(f"ref {name!r} has no history")
-        return RefRecord(name, parse_digest(doc["target"]), history, version, sealed)
+        target = parse_digest(doc["target"])
+        return RefRecord(name, target, history, version, sealed, damaged)
     except (FormatError, FencedRef):
         raise
     except Exception as e:

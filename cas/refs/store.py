@@ -183,6 +183,11 @@ class RefStore:
             raise FormatError(f"ref blob {key!r} holds the record of another ref, {record.name!r}")
         return self._remember(record)
 
+    def forget_decoded(self) -> None:
+        """Drop the records kept for reuse: a record was changed or removed beside ``update``."""
+        self._decoded.clear()
+        self._changed()
+
     def _get_legacy(self, ref: RefName) -> RefRecord | None:
         """A long name's record where an older cas stored it, or None."""
         key = legacy_key(ref)
@@ -251,7 +256,7 @@ class RefStore:
 
         Unlike ``names``, nothing is skipped quietly: a blob whose key names no valid ref, or
         whose record is damaged, is reported with its error, so a caller that must see every
-        ref (GC, which could otherwise delete what a damaged ref protects) can refuse, and a
+        ref (GC, which could otherwise delete what a damaged ref protects) can keep it, and a
         listing can show every other ref and say which one it could not read. A damaged blob
         whose name is unknown is reported by every selector whose listing reaches its key. A
         ref removed since the listing is left out: it protects nothing any more.
@@ -299,8 +304,10 @@ class RefStore:
         and the exception reaches the caller unchanged. The write is conditional on the version
         ``fn`` saw: when another writer got in between, the record is read again and ``fn`` is
         called again with it, so ``fn`` must be safe to repeat (objects it stores and then
-        abandons are left to GC). After ``attempts`` lost races: RefConflict naming the ref and
-        ``op``. ``op`` and ``message`` are recorded in the ref's history.
+        abandons are left to GC); a write of ours that landed although it was reported lost (a
+        retried request whose reply went missing) is known by its event in the record read
+        again, and ends the update. After ``attempts`` lost races: RefConflict naming the ref
+        and ``op``. ``op`` and ``message`` are recorded in the ref's history.
 
         Returns the record as this call left it: the new one, the current one for KEEP, None
         when the ref is (now) absent.
@@ -310,8 +317,13 @@ class RefStore:
             raise ValueError("a ref update needs at least one attempt")
         if self.leases is not None:
             self.leases.declare(ref)  # before the read the compare-and-swap depends on
+        ours: RefEvent | None = None
         for _ in range(attempts):
             current, version = self._current(ref)
+            if ours is not None and current is not None and ours in current.history:
+                # Our write landed and its answer was lost: the event, stamped with this call's
+                # time, is in the record. Deciding again would record it twice.
+                return current
             decision = fn(current)
             if decision is RefChange.KEEP:
                 return current
@@ -321,6 +333,7 @@ class RefStore:
                         self._delete_record(current)
                     return None
                 moved = self._moved(ref, current, decision, op, message)
+                ours = moved.history[-1]
                 return self._write_record(moved, current, version)
             except (PreconditionFailed, NotFound):
                 continue  # another writer got in between: decide again on its record

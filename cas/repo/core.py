@@ -24,10 +24,13 @@ from cas.model.limits import ReadLimits
 from cas.model.manifest import (
     Manifest,
     TensorEntry,
+    check_message,
     check_meta,
+    check_tags,
     decode_manifest,
     encode_manifest,
 )
+from cas.model.precision import StoragePolicy
 from cas.model.state import TensorSource, encode_state, iter_tensor_paths
 from cas.names import RefName, parse_ref_name
 from cas.objects.chains import ChunkCache
@@ -48,6 +51,7 @@ from cas.refs.store import RefStore
 from cas.refs.stores import Stores
 from cas.refs.sweeps import CollectedDuringWrite
 from cas.repo.config import CLEAN_VERSION, StoreConfig
+from cas.repo.lossy import apply_policy, parent_manifest
 from cas.repo.refs import RefOperations
 from cas.repo.streaming import StreamWriter
 
@@ -173,10 +177,17 @@ class RepositoryCore(RefOperations):
         expected: Digest | Any | None = _ANY,
         codec: str | None = None,
         message: str = "",
+        tags: Sequence[str] = (),
         progress: Progress | None = None,
         overwrite: bool = False,
+        store_as: dict[str, str] | None = None,
+        lossy_delta: float | dict[str, float] | None = None,
     ) -> Digest:
         """Store a nested training state under ``ref``; return the manifest digest.
+
+        ``message`` (what this checkpoint is) and ``tags`` (labels such as ``eval``) are kept in
+        the manifest, shown by ``cas ls -l`` and ``cas log``, and ``cas ls --tag`` filters on them;
+        the message is also the ref history's entry.
 
         ``parent`` names the previous checkpoint (default: the ref's current target), which is
         also the delta base: with codec ``"auto"`` each tensor may be stored as a delta against
@@ -184,12 +195,25 @@ class RepositoryCore(RefOperations):
         a compare-and-swap against that digest (``None``: must not exist). A gate, a ``best``
         pointer or a ref the stored policy protects is replaced only with ``overwrite=True``
         (ProtectedRef otherwise; the chunks written stay for GC).
+
+        Lossy, opt-in, recorded in ``meta["lossy"]`` (``cas.model.precision``): ``store_as``
+        (``{"model.*": "float16"}``) stores matching floating tensors in that dtype and loads them
+        back in their own; ``lossy_delta`` (``1e-5``, or per pattern) keeps the parent's value of
+        every element that changed by less than that.
         """
         name = parse_ref_name(ref)
+        labels = check_tags(tags)
+        check_message(message)
         if expected is _ANY:  # a compare-and-swap is refused at the commit, by the ref's state
             self.check_replaceable(name, overwrite=overwrite)
+        meta = check_meta(metadata)
         tree, sources = encode_state(state)
         parent_digest = self._parent_digest(name, parent)
+        policy = StoragePolicy.from_args(store_as, lossy_delta)
+        if policy is not None:
+            before = parent_manifest(self.manifest, parent_digest)
+            tree, sources = apply_policy(self.io, before, tree, sources, policy)
+            meta = {**meta, "lossy": policy.describe()}
         for attempt in range(1, SAVE_ATTEMPTS + 1):
             stats = WriteStats()
             entries = self._write_tensors(sources, codec, stats, progress, parent_digest)
@@ -197,10 +221,12 @@ class RepositoryCore(RefOperations):
                 kind="state",
                 tensors=tuple(entries),
                 tree=tree,
-                meta=check_meta(metadata),
+                meta=meta,
                 created_at=self.clock(),
                 parent=parent_digest,
                 chunk_size=self.config.chunk_size,
+                message=message,
+                tags=labels,
             )
             try:
                 return self.commit(

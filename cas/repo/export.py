@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
 import os
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cas.errors import AlreadyExists, FormatError
+from cas.errors import AlreadyExists, FormatError, NotFound, NothingSelected
 from cas.model.manifest import FileEntry, Manifest
 from cas.names import check_relative_path
 from cas.objects.chunkio import ChunkIO, Progress
@@ -66,6 +69,46 @@ def export_files(
                 _write_new(parent, _sidecar_name(parts[-1]), _sidecar_text(target, digest), 0o644)
                 written.append(_sidecar_of(target))
     return written
+
+
+def select_files(manifest: Manifest, patterns: Iterable[str], ref: str) -> Manifest:
+    """The files of ``manifest`` whose path or file name matches a glob of ``patterns``;
+    NothingSelected (naming a few paths) if none does."""
+    patterns = list(patterns)
+    if manifest.kind != "files":
+        raise FormatError(f"{ref} holds a saved state, not files; --include selects files")
+    kept = {
+        path: entry
+        for path, entry in manifest.files.items()
+        if any(fnmatch.fnmatchcase(p, g) for g in patterns for p in (path, path.rsplit("/")[-1]))
+    }
+    if not kept:
+        some = ", ".join(sorted(manifest.files)[:3]) + (", ..." if len(manifest.files) > 3 else "")
+        raise NothingSelected(
+            f"--include {' '.join(map(repr, patterns))} matches no file of {ref} (it holds {some})"
+        )
+    if manifest.meta.get("source") == "file":  # a single file stays one
+        return manifest
+    # A directory stays a directory, even with one file left.
+    return replace(manifest, files=kept, meta={**manifest.meta, "source": "dir"})
+
+
+def file_entry(manifest: Manifest, ref: str, path: str | None) -> FileEntry:
+    """The entry of ``path`` in an ingested checkpoint (``None``: its only file)."""
+    if manifest.kind != "files":
+        raise FormatError(
+            f"{ref} holds a state saved from Python, not files; "
+            "`cas get REF out.safetensors --format safetensors` writes it as one"
+        )
+    if path is None:
+        if len(manifest.files) == 1:
+            return next(iter(manifest.files.values()))
+        some = ", ".join(f"{ref}/{p}" for p in sorted(manifest.files)[:3])
+        raise FormatError(f"{ref} holds {len(manifest.files)} files; name one ({some}, ...)")
+    entry = manifest.files.get(path.strip("/"))
+    if entry is None:
+        raise NotFound(f"{ref} has no file {path!r}")
+    return entry
 
 
 Target = tuple[Path, tuple[str, ...], FileEntry]
@@ -132,6 +175,12 @@ def _directory(root: Path, parts: tuple[str, ...]) -> Iterator[int]:
         os.close(fd)
 
 
+def restored_mode(entry: FileEntry) -> int:
+    """The permission bits ``get`` gives a file: the recorded ones, never setuid, setgid or
+    sticky (a store is not trusted to hand those out)."""
+    return (entry.mode or 0o644) & 0o777
+
+
 def _write_new(parent: int, name: str, data: bytes, mode: int) -> None:
     """Write ``name`` in the directory ``parent`` by temp file, fsync and rename."""
     _publish(parent, name, [data], mode, None)
@@ -143,6 +192,7 @@ def _publish(
     blocks: Iterable[bytes | memoryview],
     mode: int,
     progress: Progress | None,
+    mtime_ns: int | None = None,
 ) -> str:
     """Write ``blocks`` to a short-named temp file in ``parent``, fsync, rename it to ``name``
     (which replaces a link there, never writes through it); return the bytes' sha256.
@@ -163,6 +213,8 @@ def _publish(
                 f.flush()
                 os.fsync(fd)
             os.fchmod(fd, mode)
+            if mtime_ns is not None:  # the access time is now: the file was just written
+                os.utime(fd, ns=(time.time_ns(), mtime_ns))
         finally:
             os.close(fd)
         os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
@@ -177,7 +229,8 @@ def _write_file(
     io: ChunkIO, entry: FileEntry, parent: int, name: str, progress: Progress | None
 ) -> str:
     """Stream verified chunks into ``name`` in the directory ``parent``; return their sha256."""
-    return _publish(parent, name, io.iter_chunks(entry.chunks), entry.mode or 0o644, progress)
+    blocks = io.iter_chunks(entry.chunks)
+    return _publish(parent, name, blocks, restored_mode(entry), progress, entry.mtime_ns)
 
 
 def _sidecar_text(target: Path, hexdigest: str) -> bytes:

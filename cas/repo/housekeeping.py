@@ -22,6 +22,7 @@ from cas.refs.stores import Stores
 from cas.repo.config import WRITER_SETTINGS, StoreConfig, read_config, write_config
 from cas.retention.evictions import eviction_logs, read_evictions
 from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
+from cas.retention.mend import RefRepairReport, repair_refs
 from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
 from cas.retention.policy import RETENTION_SECTION, RetentionPolicy, protection_of
 from cas.retention.repair import RepairReport, repair
@@ -123,8 +124,13 @@ class HousekeepingOperations:
         self, policy: RetentionPolicy | None = None, *, now: float | None = None
     ) -> ForgetPlan:
         """Which refs ``policy`` (default: the stored one) removes and why; nothing changes
-        until ``plan.execute()`` (``cas.retention.plan``)."""
-        return plan_forget(self.stores, policy or self._stored_policy(), now=now)
+        until ``plan.execute()`` (``cas.retention.plan``), which first takes the policy's
+        missing daily snapshots, as ``forget`` does."""
+        policy = policy or self._stored_policy()
+        plan = plan_forget(self.stores, policy, now=now)
+        if not policy.snapshots:
+            return plan
+        return replace(plan, take_snapshots=lambda: self.take_snapshots(policy, now=now))
 
     def forget(
         self, policy: RetentionPolicy | None = None, *, now: float | None = None
@@ -136,8 +142,8 @@ class HousekeepingOperations:
         """
         self.stores.check_deletes("forget")
         policy = policy or self._stored_policy()
-        self.take_snapshots(policy, now=now)
-        return self.plan_forget(policy, now=now).execute()
+        self.take_snapshots(policy, now=now)  # first, so the plan sees today's snapshots
+        return plan_forget(self.stores, policy, now=now).execute()
 
     def take_snapshots(
         self,
@@ -193,6 +199,14 @@ class HousekeepingOperations:
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
 
+    def repair_refs(
+        self, selector: str = "", *, dry_run: bool = False, progress: Progress | None = None
+    ) -> RefRepairReport:
+        """Rebuild, clean or set aside every damaged ref ``selector`` picks, keeping the bytes of
+        every record it changes under ``damaged/`` (``cas.retention.mend``); ``progress(1)``
+        per ref checked."""
+        return repair_refs(self.stores, selector, dry_run=dry_run, progress=progress)
+
     def status(self, *, clock: Callable[[], float] | None = None, lock: bool = True) -> StoreStatus:
         """The retention report ``cas status`` prints: usage against the stored budget,
         protected refs, oldest and newest checkpoint, each run's latest and best, pending GC
@@ -217,9 +231,10 @@ class HousekeepingOperations:
         """Object counts, and how much dedup and compression save."""
         return store_stats(self.stores)
 
-    def manifest_usage(self, manifest: Manifest) -> Usage:
-        """Logical and stored bytes of one checkpoint, with and without its delta bases."""
-        return manifest_usage(self.stores, manifest)
+    def manifest_usage(self, manifest: Manifest, digest: Digest | None = None) -> Usage:
+        """Logical and stored bytes of one checkpoint, with and without its delta bases (and
+        its stored manifest, given its ``digest``)."""
+        return manifest_usage(self.stores, manifest, digest)
 
     def stored_bytes(self, digests: Iterable[Digest]) -> int:
         """Bytes the distinct chunks among ``digests`` occupy in the store (missing ones 0)."""

@@ -24,7 +24,9 @@ from cas.model.manifest import (
     FileRegion,
     Manifest,
     TensorEntry,
+    check_message,
     check_meta,
+    check_tags,
 )
 from cas.names import check_relative_path, parse_ref_name
 from cas.objects.chunking import Cut, file_cuts, fixed_cuts, windowed_cdc_cuts
@@ -51,9 +53,13 @@ def ingest_path(
     parent: str | None,
     progress: Progress | None,
     overwrite: bool = False,
+    message: str = "",
+    tags: tuple[str, ...] = (),
 ) -> Digest:
     """Store a file or directory under ``ref``; see ``Repository.put_path``."""
     name = parse_ref_name(ref)
+    tags = check_tags(tags)
+    check_message(message)
     if expected is ...:  # a compare-and-swap is refused at the commit, by the ref's state
         repo.check_replaceable(name, overwrite=overwrite)
     source = Path(path)
@@ -104,13 +110,15 @@ def ingest_path(
         created_at=repo.clock(),
         parent=parent_digest,
         chunk_size=repo.config.chunk_size,
+        message=message,
+        tags=tags,
     )
     return repo.commit(
         manifest,
         name,
         expected=expected,
         op="put",
-        message=str(source),
+        message=message or str(source),
         stats=stats,
         overwrite=overwrite,
     )
@@ -142,7 +150,7 @@ def _write_file(
         if source.size != layout.size:
             raise InputChanged(path, "its size differs from when its format was read")
         if source.size == 0:
-            return FileEntry(0, layout.format, (), (), source.mode)
+            return FileEntry(0, layout.format, (), (), source.mode, source.mtime_ns)
         gaps = _GapWriter(repo, source, codec, stats, repo.leases.beat(progress))
         submitted: list[PendingTensor] = []
         cut_list: list[tuple[Cut, int | None]] = []
@@ -176,7 +184,14 @@ def _write_file(
         file_regions.append(FileRegion(region.name, len(tensors), region.offset))
         tensors.append(TensorEntry("torch", region.dtype, tuple(region.shape), len(data), (), data))
     file_regions.sort(key=lambda r: (r.offset, r.tensor_index))
-    return FileEntry(source.size, layout.format, tuple(chunks), tuple(file_regions), source.mode)
+    return FileEntry(
+        source.size,
+        layout.format,
+        tuple(chunks),
+        tuple(file_regions),
+        source.mode,
+        source.mtime_ns,
+    )
 
 
 class _GapWriter:

@@ -56,6 +56,7 @@ class InputFile:
         self.before = before or opened
         self.size = self.before.st_size
         self.mode = opened.st_mode & 0o777
+        self.mtime_ns = self.before.st_mtime_ns
         if _identity(opened) != _identity(self.before):
             self.close()
             raise InputChanged(path, "it was replaced or written before it was opened")

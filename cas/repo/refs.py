@@ -21,6 +21,8 @@ from typing import Any
 from cas.digest import Digest, parse_digest
 from cas.errors import InvalidName, NotFound, ProtectedRef
 from cas.names import RefName, parse_ref_name
+from cas.refs import damage
+from cas.refs.keys import ref_key
 from cas.refs.leases import LeaseManager, WriterLease, leased
 from cas.refs.listing import RefListing, list_refs
 from cas.refs.log import AppendLog
@@ -174,6 +176,16 @@ class RefOperations:
         """
         self.stores.check_deletes(f"rm {ref}")
         return self.refs_store.delete(ref, expected=expected).target
+
+    def rm_damaged(self, ref: str) -> bool:
+        """Delete a ref whose record cannot be read, whatever its blob holds; False when there
+        is no such blob. A record that changed since it was read is left (PreconditionFailed)."""
+        self.stores.check_deletes(f"rm {ref}")
+        raw = damage.read_raw(self.refs_store, ref_key(parse_ref_name(ref)))
+        if raw is None:
+            return False
+        damage.remove(self.refs_store, raw)
+        return True
 
     # -- append logs ---------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +33,10 @@ from cas.objects.chunkio import Progress
 from cas.objects.keys import ObjectKind
 from cas.refs.leases import leased
 from cas.repo.core import RepositoryCore
-from cas.repo.export import export_files, export_state
+from cas.repo.export import export_files, export_state, file_entry, select_files
 from cas.repo.housekeeping import HousekeepingOperations
 from cas.repo.ingest import ingest_path
+from cas.repo.lazy import CheckpointReader
 from cas.repo.shards import commit_shards, save_shard
 from cas.repo.transfers import TransferOperations
 
@@ -90,8 +91,12 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         parent: str | None = None,
         progress: Progress | None = None,
         overwrite: bool = False,
+        message: str = "",
+        tags: Sequence[str] = (),
     ) -> Digest:
         """Ingest a file or a directory (e.g. an HF ``checkpoint-N/``) byte-for-byte under ``ref``.
+
+        ``message`` and ``tags`` are kept with the checkpoint, as in ``save``.
 
         ``parent`` (default: the ref's current target) is the delta base for the tensors inside
         known formats, matched by file and tensor name (or tensor name alone). A gate, a
@@ -109,6 +114,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             parent=parent,
             progress=progress,
             overwrite=overwrite,
+            message=message,
+            tags=tuple(tags),
         )
 
     # -- reading -------------------------------------------------------------------------------
@@ -149,6 +156,12 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         if patterns and not matched:
             _nothing_selected(ref, patterns, manifest)
         return out
+
+    def open(self, ref: str) -> CheckpointReader:
+        """A lazy read-only mapping of ``ref``'s tensors: ``with repo.open(ref) as ckpt:`` then
+        ``ckpt.keys()``, ``ckpt["model.w"]``, ``ckpt.get_slice("model.w")[:10]``,
+        ``ckpt.metadata``; each read fetches only the chunks it needs (``cas.repo.lazy``)."""
+        return CheckpointReader(self, ref)
 
     def read_tensors(
         self,
@@ -238,13 +251,17 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         sha256: bool = False,
         overwrite: bool = False,
         progress: Progress | None = None,
+        include: Sequence[str] = (),
     ) -> list[Path]:
         """Write what ``ref`` names to ``dest``; return the files written (sidecars included).
 
         ``dest`` ending in a slash is a directory, made if it is not there yet: a single file or
-        an exported state is written into it, never to a file of that name.
+        an exported state is written into it, never to a file of that name. ``include`` globs
+        (``model*.safetensors``) keep only the ingested files whose path or name match them.
         """
         manifest = self.manifest(ref)
+        if include:
+            manifest = select_files(manifest, include, ref)
         if os.fspath(dest).endswith(("/", os.sep)):
             Path(dest).mkdir(parents=True, exist_ok=True)
         if manifest.kind == "files":
@@ -258,6 +275,27 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             )
         state = self.load(ref, progress=progress)
         return export_state(state, Path(dest), fmt or "pt", sha256=sha256, overwrite=overwrite)
+
+    def split_file_spec(self, spec: str) -> tuple[str, str | None]:
+        """``REF/path/in/checkpoint`` -> (``REF``, ``path/in/checkpoint``); a plain ref (or
+        ``REF~N``, or a digest) -> (spec, None). The longest prefix that names a ref wins."""
+        if len(spec) > 65 and spec[64] == "/":  # DIGEST/path
+            return spec[:64], spec[65:]
+        parts = spec.split("/")
+        for cut in range(len(parts), 0, -1):
+            head = "/".join(parts[:cut])
+            name, _, back = head.partition("~")
+            if "/" not in back and self.find_ref(name) is not None:  # NAME or NAME~N
+                return head, "/".join(parts[cut:]) or None
+        return spec, None  # resolving it raises the NotFound that names it
+
+    def iter_file(self, spec: str) -> Iterator[bytes | memoryview]:
+        """The verified bytes of one ingested file, chunk by chunk: ``spec`` is ``REF/path`` (a
+        file of an ingested directory) or the ``REF`` of a single ingested file."""
+        ref, path = self.split_file_spec(spec)
+        manifest = self.manifest(ref)
+        entry = file_entry(manifest, ref, path)
+        return self.io.iter_chunks(entry.chunks)
 
     # -- copying and describing ----------------------------------------------------------------
 
@@ -306,12 +344,13 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def show(self, ref: str) -> dict[str, Any]:
         """Metadata and a tensor table from the manifest; no tensor data is read.
 
-        Stored sizes come from statting the chunks (``cas.retention.space``): ``stored_bytes`` are
-        the chunks the checkpoint names, ``stored_with_bases`` adds the delta bases it needs.
+        Stored sizes come from statting the objects (``cas.retention.space``): ``stored_bytes`` are
+        the manifest and the chunks the checkpoint names, ``stored_with_bases`` adds the delta
+        bases it needs (what ``cas du`` counts for the ref).
         """
         digest = self.resolve(ref)
         manifest = decode_manifest(self.objects.get_manifest(digest))
-        usage = self.manifest_usage(manifest).as_dict()
+        usage = self.manifest_usage(manifest, digest).as_dict()
         return {
             "ref": ref,
             "manifest": digest,
@@ -319,6 +358,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             "created_at": manifest.created_at,
             "parent": manifest.parent,
             "meta": manifest.meta,
+            "message": manifest.message,
+            "tags": list(manifest.tags),
             "logical_bytes": manifest.logical_bytes(),
             "chunks": len({c.digest for c in manifest.chunk_refs()}),
             **{k: v for k, v in usage.items() if k not in ("logical_bytes", "chunks")},

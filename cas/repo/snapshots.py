@@ -13,7 +13,9 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cas.errors import FormatError
 from cas.names import ref_matches
+from cas.refs.listing import list_refs
 from cas.refs.stores import Stores
 from cas.retention.policy import DailySnapshot, RetentionPolicy, zone_of
 from cas.retention.space import read_contents
@@ -52,14 +54,18 @@ def _take(
     stores: Stores, copy: Copy, snap: DailySnapshot, day: dt.date, dry_run: bool
 ) -> SnapshotTaken:
     ref = snap.ref_for(day)
-    if stores.refs.try_get(ref) is not None:
-        return SnapshotTaken(ref, None, False, "exists")
+    try:
+        if stores.refs.try_get(ref) is not None:
+            return SnapshotTaken(ref, None, False, "exists")
+    except FormatError:  # damaged: kept and reported by the plan, never replaced
+        return SnapshotTaken(ref, None, False, "exists, but its record cannot be read")
     records = [
         r
-        for r in stores.refs.records()
+        for r in list_refs(stores.refs).records
         if ref_matches(r.name, snap.source) and not is_pointer(r.name)
     ]
-    contents = read_contents(stores, records)
+    # A damaged checkpoint is no snapshot's source; ``forget``'s plan names it.
+    contents = read_contents(stores, records, damaged=[])
     if not contents:
         return SnapshotTaken(ref, None, False, f"no checkpoint matches {snap.source!r}")
     newest = max(contents, key=lambda c: (c.created_at, c.name))

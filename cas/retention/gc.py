@@ -11,8 +11,10 @@
    (``Manifest.chunk_digests``), are marked. Chunk payloads are never parsed (invariant 4).
 3. List chunks and manifests with their mtimes: unmarked ones older than the cutoff are candidates.
 
-If any ref or any root manifest cannot be read, planning raises (saying which and why) and
-nothing is deleted; a ref whose manifest is missing is set aside and reported (``broken_refs``).
+Damage never stops the run: a ref record, history entry or root manifest that cannot be read is
+kept and reported (``GCPlan.damaged``), what its bytes still name is kept, and when what it might
+reach cannot be known the plan deletes nothing (``cas.retention.damage``); a ref whose manifest is
+missing is set aside and reported (``broken_refs``).
 Execution first fences the commits of writers whose leases expired (``RefStore.fence``), then
 deletes manifests first, then chunks, so a manifest that is still stored never names a chunk this
 run deleted; reachable objects are never touched, so killing GC at any point leaves every kept ref
@@ -40,6 +42,14 @@ from cas.refs.fences import FenceEntry
 from cas.refs.leases import LeaseRecord
 from cas.refs.records import FencedWriter, RefRecord
 from cas.refs.stores import Stores
+from cas.retention.damage import (
+    Damage,
+    damage_lines,
+    damaged_event_roots,
+    unreadable_history,
+    unreadable_ref_roots,
+    unreadable_root,
+)
 from cas.units import format_duration, format_size, parse_duration
 
 GC_SECTION = "gc"
@@ -137,6 +147,15 @@ class GCPlan:
     """Every manifest the plan keeps as a root."""
     stale_fences: tuple[FenceEntry, ...] = field(default=(), repr=False, compare=False)
     """Fence records no writer can need any more (docs/gc.md, "Removing fence records"): removed."""
+    damaged: tuple[Damage, ...] = ()
+    """Damaged refs, history entries and root manifests worked around, and what was kept."""
+    withheld_bytes: int = 0
+    """Bytes the plan would delete but does not, because some damage ``holds``."""
+
+    @property
+    def held(self) -> bool:
+        """Whether damage whose reach cannot be known stops this run from deleting objects."""
+        return any(d.holds for d in self.damaged)
 
     @property
     def freed_bytes(self) -> int:
@@ -170,6 +189,9 @@ class GCPlan:
             "reap_leases": len(self.expired_leases),
             "remove_fences": len(self.stale_fences),
             "broken_refs": list(self.broken_refs),
+            "damaged": [d.to_dict() for d in self.damaged],
+            "held": self.held,
+            "withheld_bytes": self.withheld_bytes,
             "freed_bytes": self.freed_bytes,
             "waiting_bytes": self.waiting_bytes,
             "waiting_until": self.waiting_until,
@@ -283,6 +305,7 @@ class GCPlan:
                 f"  WARNING: ref {name!r} names a missing manifest: set aside, it keeps nothing; "
                 "run `cas verify`"
             )
+        lines.extend(damage_lines(self.damaged, self.withheld_bytes))
         if self.missing_chunks:
             lines.append(
                 f"  WARNING: {self.missing_chunks} reachable chunks are missing; run `cas verify`"
@@ -367,10 +390,12 @@ def plan_gc(
         cutoff = now - settings.grace
         if live:
             cutoff = min(cutoff, min(lease.started for lease in live) - margin)
-        records = _read_refs(stores)
+        records, damaged, salvaged = _read_refs(stores)
         roots: dict[str, str] = {}
         for record in records:
             roots.setdefault(record.target, f"ref {record.name!r}")
+        for digest, owner in salvaged.items():
+            roots.setdefault(digest, owner)
         current = set(roots)
         segments: set[str] = set()
         for record in records:
@@ -382,7 +407,7 @@ def plan_gc(
                 ):
                     roots.setdefault(event.target, f"ref {record.name}~{back}")
             except CASError as e:
-                raise _refused(e, f"the history of ref {record.name!r} cannot be read") from e
+                damaged.append(unreadable_history(record.name, e))
             for sealed in record.sealed:
                 segments.add(sealed.digest)
                 roots.setdefault(sealed.digest, f"ref {record.name!r} (sealed history)")
@@ -395,15 +420,21 @@ def plan_gc(
         for digest in young:
             roots[digest] = "a recently written manifest"
         # Marked apart, so that what only the grace period or history keeps can be told.
-        needed, found, missing = _mark(stores, {d: roots[d] for d in current}, current)
+        needed, found, missing = _mark(stores, {d: roots[d] for d in current}, current, damaged)
         held, found_held, _ = _mark(
-            stores, {d: w for d, w in roots.items() if d not in current}, current
+            stores, {d: w for d, w in roots.items() if d not in current}, current, damaged
         )
         marked, found = needed | held, found + found_held
         deleted_manifests = sorted(
             d for d, (_, mtime) in manifest_infos.items() if d not in roots and mtime < cutoff
         )
         chunk_scan = _scan_chunks(stores, marked, cutoff, held - needed, settings.grace)
+        withheld = 0
+        if any(d.holds for d in damaged):
+            withheld = chunk_scan.candidate_bytes + sum(
+                manifest_infos[d][0] for d in deleted_manifests
+            )
+            chunk_scan.candidates, chunk_scan.candidate_bytes, deleted_manifests = [], 0, []
         tmp_cutoff = min(cutoff, now - TMP_MIN_AGE)
         tmp = sweeper.stale_tmp(tmp_cutoff)
         stale_fences = tuple(maintenance.stale_fences(now))
@@ -444,40 +475,45 @@ def plan_gc(
         waiting_bytes=waiting.nbytes,
         waiting_until=waiting.until,
         broken_refs=tuple(sorted(r.name for r in records if r.target in missing)),
+        damaged=tuple(damaged),
+        withheld_bytes=withheld,
         kept_manifests=frozenset(d for d in roots if d not in missing),
         stale_fences=stale_fences,
     )
 
 
-def _refused(error: CASError, context: str) -> CASError:
-    return type(error)(f"gc refused, nothing deleted: {context}: {error}")
-
-
-def _read_refs(stores: Stores) -> list[RefRecord]:
-    """Every ref, strictly: a ref GC cannot read could be protecting anything."""
-    records = []
+def _read_refs(stores: Stores) -> tuple[list[RefRecord], list[Damage], dict[str, str]]:
+    """Every readable ref; the damage found; the manifests damaged records and history entries
+    still name (kept as roots): a ref GC cannot read could be protecting anything."""
+    records: list[RefRecord] = []
+    damaged: list[Damage] = []
+    salvaged: dict[str, str] = {}
     for scanned in stores.refs.scan():
-        if scanned.error is not None:
-            error = scanned.error
-            raise _refused(error, f"ref blob {scanned.key!r} cannot be read") from error
-        assert scanned.record is not None
-        records.append(scanned.record)
-    return records
+        if scanned.record is None:
+            found, damage = unreadable_ref_roots(stores, scanned)
+            damaged.append(damage)
+        else:
+            records.append(scanned.record)
+            found, damages = damaged_event_roots(stores, scanned.record)
+            damaged.extend(damages)
+        for digest in found:
+            salvaged.setdefault(digest, f"damaged ref {scanned.label!r} (salvaged)")
+    return records, damaged, salvaged
 
 
 def _mark(
-    stores: Stores, roots: dict[str, str], current: set[str]
+    stores: Stores, roots: dict[str, str], current: set[str], damaged: list[Damage]
 ) -> tuple[set[str], int, set[str]]:
     """Chunks named by the root manifests, how many roots were read, and the refs' targets that
-    are missing (set aside: they can keep nothing). A corrupt root refuses."""
+    are missing (set aside: they can keep nothing). A corrupt root is added to ``damaged``."""
 
-    def read(digest: str) -> frozenset[str] | None:
+    def read(digest: str) -> frozenset[str] | CASError | None:
         try:
             manifest = decode_manifest(stores.objects.get_manifest(Digest(digest)))
         except NotFound:
             return None  # history, a recent unreferenced manifest, or a broken ref: keeps nothing
         except CASError as e:
-            raise _refused(e, f"{roots[digest]}: manifest {digest[:16]} cannot be read") from e
+            return e
         return frozenset(manifest.chunk_digests())
 
     marked: set[str] = set()
@@ -485,7 +521,9 @@ def _mark(
     missing: set[str] = set()
     digests = list(roots)
     for digest, chunks in zip(digests, stores.pool.map(read, digests), strict=True):
-        if chunks is not None:
+        if isinstance(chunks, CASError):
+            damaged.append(unreadable_root(roots[digest], digest, chunks))
+        elif chunks is not None:
             found += 1
             marked |= chunks
         elif digest in current:

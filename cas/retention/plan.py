@@ -1,6 +1,8 @@
 """Planning retention: a policy's rules applied to every ref, as a ForgetPlan, and executing it.
 
-``plan_forget`` reads every ref's manifest, groups the refs each rule selects, marks them
+``plan_forget`` reads every ref's manifest (a ref whose record or manifest cannot be read is kept,
+counted by no rule and reported in ``ForgetPlan.damaged``: the others are planned as if it were
+not there), groups the refs each rule selects, marks them
 protected / kept / dropped as ``cas.retention.policy`` describes, then enforces the size budget
 with reference counts over the kept refs (``cas.retention.space.Accounting``), so each dropped
 ref is charged only the bytes no kept ref shares. A plan changes nothing until ``execute()``.
@@ -15,12 +17,14 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cas.digest import Digest
 from cas.errors import NotFound, RefConflict
 from cas.names import ref_matches
+from cas.refs.listing import DamagedRef, list_refs
 from cas.refs.records import RefRecord
 from cas.refs.stores import Stores
 from cas.retention.evictions import append_evictions
@@ -56,6 +60,8 @@ class ForgetResult:
     skipped: tuple[tuple[str, str], ...]
     """``(ref, why)`` for refs not removed: moved since the plan, or already gone."""
     logged: int
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,11 @@ class ForgetPlan:
     evictions: tuple[tuple[str, dict[str, Any]], ...]
     """``(log name, record)`` appended to eviction logs before the refs go."""
     stores: Stores = field(repr=False, compare=False)
+    take_snapshots: Callable[[], object] | None = field(default=None, repr=False, compare=False)
+    """Takes the policy's missing daily snapshots; ``execute`` calls it before removing any ref,
+    as ``Repository.forget`` does (``Repository.plan_forget`` sets it)."""
+    damaged: tuple[DamagedRef, ...] = ()
+    """Refs whose record or manifest cannot be read: kept, outside every rule's count."""
 
     @property
     def dropped(self) -> tuple[RefDecision, ...]:
@@ -99,6 +110,8 @@ class ForgetPlan:
         refs = self.stores.refs
         if self.dropped:
             self.stores.check_deletes("forget")
+        if self.take_snapshots is not None:
+            self.take_snapshots()  # a snapshot of a ref this plan drops is taken before it goes
         with self.stores.maintenance.lock("forget", enabled=lock):
             skipped: list[tuple[str, str]] = []
             still: list[RefDecision] = []
@@ -125,7 +138,7 @@ class ForgetPlan:
                     skipped.append((d.ref, "moved since the plan"))
                 except NotFound:
                     skipped.append((d.ref, "already gone"))
-        return ForgetResult(tuple(removed), tuple(skipped), logged)
+        return ForgetResult(tuple(removed), tuple(skipped), logged, self.damaged)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
@@ -138,6 +151,7 @@ class ForgetPlan:
             "warnings": list(self.warnings),
             "drop": [_decision_dict(d) for d in self.dropped],
             "keep": [_decision_dict(d) for d in self.kept],
+            "damaged": [d.to_dict() for d in self.damaged],
         }
 
     def summary(self, *, show_kept: bool = True) -> list[str]:
@@ -156,6 +170,10 @@ class ForgetPlan:
             f"(freed by `cas gc` after the grace period)"
         )
         lines.extend(f"WARNING: {w}" for w in self.warnings)
+        lines.extend(
+            f"WARNING: kept damaged ref {d.ref}: {d.error.splitlines()[0] if d.error else '?'}"
+            for d in self.damaged
+        )
         return lines
 
 
@@ -262,7 +280,9 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
     # Daily snapshots are retained by rules of their own, ahead of the policy's.
     policy = replace(policy, rules=policy.effective_rules(), snapshots=())
     zone = zone_of(policy.timezone)
-    contents = read_contents(stores, stores.refs.records())
+    listing = list_refs(stores.refs)
+    damaged = list(listing.damaged)
+    contents = read_contents(stores, listing.records, damaged)
     entries = [_classify(policy, c) for c in contents]
     groups: dict[tuple[int, str], list[_Entry]] = defaultdict(list)
     for entry in entries:
@@ -273,6 +293,7 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
         members.sort(key=lambda e: (e.time, e.name), reverse=True)
         rule = policy.rules[index]
         _protect(rule, policy, members, contents, now, zone)
+        warnings.extend(_unranked(rule, group, members))
         _keep(rule, members, now, zone)
         for entry in members:
             if not entry.protected and not entry.kept:
@@ -284,7 +305,8 @@ def plan_forget(stores: Stores, policy: RetentionPolicy, *, now: float | None = 
         entry.frees = accounting.drop(entry.content)
     if policy.max_total_bytes and accounting.total > policy.max_total_bytes:
         warnings.extend(_enforce_budget(policy, entries, accounting))
-    return _build_plan(stores, policy, now, entries, accounting, warnings)
+    plan = _build_plan(stores, policy, now, entries, accounting, warnings)
+    return replace(plan, damaged=tuple(sorted(damaged, key=lambda d: d.ref)))
 
 
 def _classify(policy: RetentionPolicy, content: RefContent) -> _Entry:
@@ -302,6 +324,18 @@ def _classify(policy: RetentionPolicy, content: RefContent) -> _Entry:
     if rule is None:
         entry.protected.append("no rule selects it")
     return entry
+
+
+def _unranked(rule: Rule, group: str, members: list[_Entry]) -> list[str]:
+    """A warning per ``keep_best`` metric that no checkpoint of the group carries: such a rule
+    protects nothing, which is never what its author meant (a misspelt or unrecorded metric)."""
+    where = f"{rule.name or rule.select}" + (f" [{group}]" if group else "")
+    return [
+        f"keep-best {best.metric}: no checkpoint {where} selects records metric "
+        f"{best.metric!r}, so it protects none (is the metric stored in meta['metrics']?)"
+        for best in rule.keep_best
+        if members and all(best.value(e.content.meta) is None for e in members)
+    ]
 
 
 def _protect(

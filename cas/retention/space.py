@@ -305,6 +305,7 @@ class StoreStats:
     chunk_bytes: int
     reachable_chunks: int
     reachable_stored_bytes: int
+    """Stored bytes of the chunks refs reach."""
     unique_bytes: int
     """Decoded bytes of the distinct chunks refs reach."""
     logical_bytes: int
@@ -316,11 +317,20 @@ class StoreStats:
     """Chunks and manifests found corrupt and moved aside (``cas.objects.quarantine``)."""
     quarantined_bytes: int = 0
     """What the quarantine area holds (the bytes as found, and their records)."""
+    reachable_manifest_bytes: int = 0
+    """Stored bytes of the manifests refs reach (small tensors are inlined there)."""
+
+    @property
+    def stored_bytes(self) -> int:
+        """What the refs' checkpoints occupy on storage: the chunks and manifests they reach,
+        each once; ``cas du``'s stored bytes over every ref."""
+        return self.reachable_stored_bytes + self.reachable_manifest_bytes
 
     @property
     def dedup_ratio(self) -> float:
-        """Logical bytes per distinct decoded byte (copies and unchanged tensors cost nothing)."""
-        return self.logical_bytes / self.unique_bytes if self.unique_bytes else 1.0
+        """Logical bytes per byte stored on disk (``logical_bytes / stored_bytes``): copies and
+        unchanged tensors cost nothing, and compression and delta encoding count too."""
+        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
     @property
     def compression_ratio(self) -> float:
@@ -339,6 +349,7 @@ class StoreStats:
         return {
             **self.__dict__,
             "damaged": [d.to_dict() for d in self.damaged],
+            "stored_bytes": self.stored_bytes,
             "dedup_ratio": round(self.dedup_ratio, 4),
             "compression_ratio": round(self.compression_ratio, 4),
             "unreachable_bytes": self.unreachable_bytes,
@@ -361,10 +372,12 @@ def store_stats(stores: Stores) -> StoreStats:
         if (ObjectKind.CHUNK, stored.digest) in named:
             reachable += 1
             reachable_bytes += stored.size
-    manifests = manifest_bytes = 0
+    manifests = manifest_bytes = reachable_manifest_bytes = 0
     for stored in stores.objects.list_objects(ObjectKind.MANIFEST):
         manifests += 1
         manifest_bytes += stored.size
+        if (ObjectKind.MANIFEST, stored.digest) in named:
+            reachable_manifest_bytes += stored.size
     quarantine = stores.objects.quarantine.summary()
     return StoreStats(
         refs=len(contents),
@@ -379,6 +392,7 @@ def store_stats(stores: Stores) -> StoreStats:
         damaged=damaged,
         quarantined_objects=quarantine.objects,
         quarantined_bytes=quarantine.stored_bytes,
+        reachable_manifest_bytes=reachable_manifest_bytes,
     )
 
 
@@ -386,9 +400,10 @@ def store_stats(stores: Stores) -> StoreStats:
 class Usage:
     """Sizes of one manifest's data (``cas show``).
 
-    ``stored_bytes`` counts only the chunks the checkpoint names itself (what keeping it costs on
-    top of its bases); a delta-encoded checkpoint needs its bases too, and
-    ``stored_with_bases`` counts them.
+    ``stored_bytes`` counts the manifest (tensors of at most ``inline_max`` bytes live in it) and
+    the chunks the checkpoint names itself (what keeping it costs on top of its bases); a
+    delta-encoded checkpoint needs its bases too, and ``stored_with_bases`` counts them: the
+    stored bytes ``cas du`` gives the ref.
     """
 
     logical_bytes: int
@@ -397,6 +412,7 @@ class Usage:
     chunks: int
     base_chunks: int
     missing_chunks: int
+    manifest_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -413,6 +429,7 @@ class Usage:
             "chunks": self.chunks,
             "base_chunks": self.base_chunks,
             "missing_chunks": self.missing_chunks,
+            "manifest_bytes": self.manifest_bytes,
         }
 
 
@@ -428,12 +445,17 @@ def stored_bytes(stores: Stores, digests: Iterable[Digest]) -> int:
     return sum(size or 0 for size in chunk_sizes(stores, digests).values())
 
 
-def manifest_usage(stores: Stores, manifest: Manifest) -> Usage:
-    """Logical and stored bytes of one manifest (reads chunk sizes, never chunk data)."""
+def manifest_usage(stores: Stores, manifest: Manifest, digest: Digest | None = None) -> Usage:
+    """Logical and stored bytes of one manifest (reads chunk sizes, never chunk data); with its
+    ``digest``, the stored manifest itself counts too."""
     own = {ref.digest for ref in manifest.chunk_refs()}
     bases = manifest.chunk_digests() - own
     sizes = chunk_sizes(stores, own | bases)
-    own_bytes = sum(sizes[d] or 0 for d in own)
+    manifest_bytes = 0
+    if digest is not None:
+        found = stores.objects.stored_sizes([(ObjectKind.MANIFEST, digest)])
+        manifest_bytes = found.get((ObjectKind.MANIFEST, digest), 0)
+    own_bytes = manifest_bytes + sum(sizes[d] or 0 for d in own)
     return Usage(
         logical_bytes=manifest.logical_bytes(),
         stored_bytes=own_bytes,
@@ -441,4 +463,5 @@ def manifest_usage(stores: Stores, manifest: Manifest) -> Usage:
         chunks=len(own),
         base_chunks=len(bases),
         missing_chunks=sum(1 for size in sizes.values() if size is None),
+        manifest_bytes=manifest_bytes,
     )

@@ -70,6 +70,12 @@ class RunStatus:
     best: tuple[tuple[str, CheckpointInfo], ...]
     """``(best pointer, checkpoint)`` per phase."""
     gates: int
+    damaged: tuple[str, ...] = ()
+    """The run's refs that cannot be used (record or manifest damaged): retention keeps them
+    out of its count and never removes them; ``cas repair`` or ``cas rm`` clears them."""
+    retention: str | None = None
+    """Why the run's own retention policy fell behind, as its newest checkpoint records it
+    (``CheckpointManager``: an error, or damaged refs kept), or None."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
@@ -78,6 +84,8 @@ class RunStatus:
             "latest": self.latest.to_dict(),
             "best": [{"pointer": p, **c.to_dict()} for p, c in self.best],
             "gates": self.gates,
+            "damaged": list(self.damaged),
+            "retention": self.retention,
         }
 
 
@@ -113,6 +121,11 @@ class StoreStatus:
     quarantined_objects: int
     quarantined_bytes: int
     damaged_refs: tuple[str, ...] = ()
+    damage: tuple[tuple[str, str], ...] = ()
+    """``(ref, what is wrong)`` for every damaged ref record, manifest or history entry."""
+    gc_held: bool = False
+    """Whether ``cas gc`` deletes nothing now, because damage hides what it reaches."""
+    gc_withheld_bytes: int = 0
 
     @property
     def usage_pct(self) -> float | None:
@@ -141,9 +154,12 @@ class StoreStatus:
                 "collectable_bytes": self.gc_collectable_bytes,
                 "waiting_bytes": self.gc_waiting_bytes,
                 "waiting_until": self.gc_waiting_until,
+                "held": self.gc_held,
+                "withheld_bytes": self.gc_withheld_bytes,
             },
             "quarantine": {"objects": self.quarantined_objects, "bytes": self.quarantined_bytes},
             "damaged_refs": list(self.damaged_refs),
+            "damage": [{"ref": ref, "problem": problem} for ref, problem in self.damage],
         }
 
     def describe(self) -> list[str]:
@@ -172,16 +188,28 @@ class StoreStatus:
                 f"daily snapshots: {self.snapshots}, newest {self.newest_snapshot.describe()}"
             )
         for run in self.runs:
-            lines.append(f"run {run.run}: latest {run.latest.describe()}")
+            lines.append(f"run {run.run or '(top level)'}: latest {run.latest.describe()}")
             lines.extend(f"  best {pointer}: {c.describe()}" for pointer, c in run.best)
             if run.gates:
                 lines.append(f"  gates: {run.gates}")
+            if run.retention:
+                lines.append(f"  retention behind: {run.retention}")
+            if run.damaged:
+                lines.append(
+                    f"  retention keeps {len(run.damaged)} damaged refs out of its count: "
+                    + ", ".join(run.damaged)
+                )
         gc_line = f"gc: {format_size(self.gc_collectable_bytes)} collectable now"
         if self.gc_waiting_bytes and self.gc_waiting_until is not None:
             left = format_duration(max(0.0, self.gc_waiting_until - self.now))
             gc_line += (
                 f", {format_size(self.gc_waiting_bytes)} waiting for the grace period "
                 f"(collectable by {_when(self.gc_waiting_until)}, in {left})"
+            )
+        if self.gc_held:
+            gc_line += (
+                f"; deletes nothing while damage hides what it reaches "
+                f"({format_size(self.gc_withheld_bytes)} withheld)"
             )
         lines.append(gc_line)
         if self.quarantined_objects:
@@ -190,7 +218,9 @@ class StoreStatus:
                 f"({format_size(self.quarantined_bytes)}); "
                 "`cas verify --full --repair-from URL` restores them"
             )
-        lines.extend(f"WARNING: cannot read ref {name}" for name in self.damaged_refs)
+        lines.extend(f"WARNING: damaged ref {ref}: {problem}" for ref, problem in self.damage)
+        if self.damage:
+            lines.append("`cas repair` sets aside or rebuilds damaged refs; `cas rm` removes one")
         return lines
 
 
@@ -213,6 +243,9 @@ def store_status(
     gc_plan = plan_gc(stores, settings, clock=clock, lock=lock)
     now = gc_plan.now
     contents, damaged = readable_contents(stores)
+    damage = [(d.ref, d.error.splitlines()[0] if d.error else "damaged") for d in damaged]
+    unreadable = {d.ref for d in damaged}
+    damage += [(d.ref, d.problem) for d in gc_plan.damaged if d.ref not in unreadable]
     union: set[ObjectId] = {o for c in contents for o in c.objects}
     referenced = Accounting(stores.objects.stored_sizes(union), contents).before
     stats = store_stats(stores)
@@ -251,13 +284,16 @@ def store_status(
         newest_snapshot=_info(snapshots[-1]) if snapshots else None,
         oldest=_info(checkpoints[0]) if checkpoints else None,
         newest=_info(checkpoints[-1]) if checkpoints else None,
-        runs=_runs(by_name),
+        runs=_runs(by_name, sorted(unreadable)),
         gc_collectable_bytes=gc_plan.freed_bytes,
         gc_waiting_bytes=gc_plan.waiting_bytes,
         gc_waiting_until=gc_plan.waiting_until,
         quarantined_objects=stats.quarantined_objects,
         quarantined_bytes=stats.quarantined_bytes,
         damaged_refs=tuple(d.ref for d in damaged),
+        damage=tuple(damage),
+        gc_held=gc_plan.held,
+        gc_withheld_bytes=gc_plan.withheld_bytes,
     )
 
 
@@ -274,25 +310,52 @@ def _info(content: RefContent) -> CheckpointInfo:
 
 def _pointee(pointer: RefContent, by_name: dict[str, RefContent]) -> CheckpointInfo:
     """The checkpoint a pointer names: the ref its last move names (the manager writes it in
-    the message) when that ref still names the same manifest, else the pointer itself."""
+    the message) when that ref still names the same manifest, else a checkpoint ref naming the
+    same manifest, else the pointer itself."""
     history = pointer.record.history
     named = by_name.get(history[-1].message) if history else None
     if named is not None and named.target == pointer.target:
         return _info(named)
-    return _info(pointer)
+    # A pointer set by `cas cp` or a symlink-style script: the checkpoint naming its manifest.
+    same = sorted(n for n, c in by_name.items() if c.target == pointer.target and not is_pointer(n))
+    return _info(by_name[same[0]] if same else pointer)
 
 
-def _runs(by_name: dict[str, RefContent]) -> tuple[RunStatus, ...]:
+def _runs(by_name: dict[str, RefContent], damaged: list[str]) -> tuple[RunStatus, ...]:
+    """A run per ``latest`` ref: ``runs/r1/latest`` makes run ``runs/r1``, a top-level
+    ``latest`` (a retention manager's single run) the run ``""``, shown as ``(top level)``.
+    Each ``best`` and gate belongs to the run with the longest prefix that holds it."""
+    latest = sorted(n for n in by_name if n == "latest" or n.endswith("/latest"))
+    prefixes = [name.rpartition("/")[0] for name in latest]
+
+    def owner(name: str) -> str | None:
+        holding = [p for p in prefixes if not p or name.startswith(p + "/")]
+        return max(holding, key=len) if holding else None
+
     runs = []
-    for name in sorted(n for n in by_name if n.endswith("/latest")):
-        run = name.rpartition("/")[0]
-        inside = [n for n in by_name if n.startswith(run + "/")]
+    for name, run in zip(latest, prefixes, strict=True):
+        inside = sorted(n for n in by_name if owner(n) == run)
         best = tuple(
-            (n, _pointee(by_name[n], by_name)) for n in sorted(inside) if n.endswith("/best")
+            (n, _pointee(by_name[n], by_name)) for n in inside if n == "best" or n.endswith("/best")
         )
         gates = sum(1 for n in inside if ref_matches(n, "**/gates/**"))
-        runs.append(RunStatus(run, _pointee(by_name[name], by_name), best, gates))
+        hurt = tuple(n for n in damaged if not run or n.startswith(run + "/"))
+        note = _retention_note(by_name[name].meta.get("retention"))
+        runs.append(RunStatus(run, _pointee(by_name[name], by_name), best, gates, hurt, note))
     return tuple(runs)
+
+
+def _retention_note(note: Any) -> str | None:
+    """The line for a checkpoint's ``retention`` meta (``cas.training.saves.retention_note``)."""
+    if not isinstance(note, dict):
+        return None
+    step = note.get("after_step")
+    if note.get("error"):
+        return f"retention did not run after step {step}: {note['error']}"
+    damaged = note.get("damaged") or []
+    return f"retention after step {step} kept {len(damaged)} damaged refs: " + ", ".join(
+        str(d) for d in damaged
+    )
 
 
 def _when(ts: float) -> str:

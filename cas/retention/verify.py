@@ -1,16 +1,19 @@
 """Verification: every selected ref's manifest decodes and its chunks exist, or are re-hashed.
 
 Levels, cheapest first: ``structure`` (manifests, refs and their sealed history segments parse),
-``existence`` (every chunk a manifest names is present, and the decoded size its header declares
-is the size every manifest entry gives it: one small ranged read per chunk, about what an
-existence request costs), ``sample`` (re-hash a rotating PCT% of chunks; successive runs cover the
-whole store), ``full`` (re-read and re-hash every chunk, and compare its decoded size with every
-entry naming it).
+``existence`` (every chunk a manifest names is present, the decoded size its header declares is
+the size every manifest entry gives it, and the delta base it declares, if any, is one the
+manifest lists for it: one small ranged read per chunk, about what an existence request costs),
+``sample`` (re-hash a rotating PCT% of chunks; successive runs cover the whole store), ``full``
+(re-read and re-hash every chunk, and compare its decoded size with every entry naming it).
 
 A chunk whose size disagrees with an entry is a ``size-mismatch``: at ``full`` the chunk hashes
 to its name, so the manifest is what is wrong (a reader refuses it); at ``existence`` the header
-may be. Chunks and manifests found corrupt are quarantined by the object store as they are read
-(``cas.objects.quarantine``), and each problem names every ref it breaks.
+may be. A chunk that is a delta against a base its manifest does not list is an
+``unlisted-base``: GC reads manifests only (invariant 4), so it would delete that base and break
+the checkpoint, although it loads today. Chunks and manifests found corrupt are quarantined by
+the object store as they are read (``cas.objects.quarantine``), and each problem names every ref
+it breaks.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def verify(
         report.problems.append(Problem(bad.ref, "bad-ref", bad.error))
     for name, record in sorted(records.items()):
         report.refs += 1
+        for problem in record.problems():  # readable around it, but damage all the same
+            report.problems.append(Problem(name, "bad-history", problem))
         for sealed in record.sealed:
             try:
                 refs.segment(record, sealed)
@@ -132,15 +137,28 @@ def verify(
         report.problems.append(Problem(who[0], kind, detail, digest, who))
 
     report.chunks = len(chunks)
-    declared = dict(zip(chunks, stores.pool.map(_declared_size(stores), chunks), strict=True))
-    for digest, outcome in declared.items():
-        if isinstance(outcome, NotFound):
-            broken(digest, "missing-chunk", digest)
-        elif isinstance(outcome, CASError):
-            broken(digest, "corrupt-chunk", f"{digest}: {outcome}")
-        elif level != "full" and (wrong := chunks[digest].disagreeing(outcome)):
-            detail = f"{digest}: its header declares {outcome} bytes, {_entries(wrong)}"
+    headers = dict(zip(chunks, stores.pool.map(_declared(stores), chunks), strict=True))
+    declared: dict[Digest, int | CASError] = {}
+    for digest, outcome in headers.items():
+        declared[digest] = outcome if isinstance(outcome, CASError) else outcome[0]
+        if isinstance(outcome, CASError):
+            missing = isinstance(outcome, NotFound)
+            kind, detail = (
+                ("missing-chunk", digest) if missing else ("corrupt-chunk", f"{digest}: {outcome}")
+            )
+            broken(digest, kind, detail)
+            continue
+        size, base = outcome
+        if level != "full" and (wrong := chunks[digest].disagreeing(size)):
+            detail = f"{digest}: its header declares {size} bytes, {_entries(wrong)}"
             broken(digest, "size-mismatch", detail, wrong)
+        if base is not None and (unlisting := chunks[digest].unlisting(base)):
+            who = tuple(dict.fromkeys(r for m in unlisting for r in named_by[m]))
+            detail = (
+                f"{digest} is a delta against {base}, which the manifest does not list, so gc "
+                "would delete that base"
+            )
+            report.problems.append(Problem(who[0], "unlisted-base", detail, digest, who))
     to_hash = [
         d
         for d in chunks
@@ -173,6 +191,12 @@ class _Claims:
     manifests: list[Digest] = field(default_factory=list)
     sizes: dict[int, list[Digest]] = field(default_factory=dict)
     """Size -> the manifests with an entry of that size (delta bases carry no size)."""
+    bases: dict[Digest, set[Digest]] = field(default_factory=dict)
+    """Manifest -> the delta bases it lists for the chunk (GC keeps those, and only those)."""
+
+    def unlisting(self, base: Digest) -> list[Digest]:
+        """The manifests that keep the chunk but not ``base``, the base its header declares."""
+        return [m for m in self.manifests if base not in self.bases.get(m, set())]
 
     def disagreeing(self, size: int) -> list[int]:
         """The sizes entries give the chunk other than ``size``, its real (or declared) one."""
@@ -184,8 +208,10 @@ class _Claims:
 
 
 def _claim(chunks: dict[Digest, _Claims], target: Digest, manifest: Manifest) -> None:
-    for digest in manifest.chunk_digests():
-        chunks.setdefault(digest, _Claims()).manifests.append(target)
+    for digest, bases in manifest.bases_by_chunk().items():
+        claims = chunks.setdefault(digest, _Claims())
+        claims.manifests.append(target)
+        claims.bases[target] = bases
     for ref in manifest.chunk_refs():
         named = chunks[ref.digest].sizes.setdefault(ref.size, [])
         if not named or named[-1] != target:
@@ -197,10 +223,10 @@ def _entries(sizes: list[int]) -> str:
     return f"a manifest entry says {said}"
 
 
-def _declared_size(stores: Stores) -> Callable[[Digest], int | CASError]:
-    def declared(digest: Digest) -> int | CASError:
+def _declared(stores: Stores) -> Callable[[Digest], tuple[int, Digest | None] | CASError]:
+    def declared(digest: Digest) -> tuple[int, Digest | None] | CASError:
         try:
-            return stores.objects.declared_size(digest)
+            return stores.objects.declared(digest)
         except CASError as e:
             return e
 

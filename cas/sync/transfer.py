@@ -6,7 +6,10 @@ save does, so a destination ref never names a manifest whose chunks are missing 
 1. Read the selected refs on both sides (prefixes, exact names, globs like ``runs/r1/**``). The
    destination targets read here are the ``expected`` values of the final compare-and-swap.
 2. Read and verify each selected manifest on the source and collect its chunk digests
-   (``Manifest.chunk_digests()``, delta bases included).
+   (``Manifest.chunk_digests()``, delta bases included). GC keeps chunks alive from manifests
+   alone (invariant 4), so a copied chunk that is a delta against a base its manifests do not
+   list is refused (``UnlistedBase``): GC would sweep that base and the checkpoint with it. The
+   refusal comes before any manifest or ref is written; chunks copied so far are unreferenced.
 3. Ask the destination which chunks it already has (``ObjectStore.missing``: one existence
    request per chunk for small sets, a listing of the touched ``chunks/<xx>/`` prefixes when
    that costs fewer requests).
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -46,7 +49,15 @@ from cas.refs.stores import Stores
 TransferProgress = Callable[[int, int], None]
 """Called with ``(bytes_moved, bytes_skipped)`` increments, in logical (decoded) bytes."""
 
-__all__ = ["KEEP", "TransferConflict", "TransferReport", "pull", "push", "transfer"]
+__all__ = [
+    "KEEP",
+    "TransferConflict",
+    "TransferReport",
+    "UnlistedBase",
+    "pull",
+    "push",
+    "transfer",
+]
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,11 @@ class TransferConflict(RefConflict):
     def __init__(self, message: str, report: TransferReport) -> None:
         super().__init__(message)
         self.report = report
+
+
+class UnlistedBase(IntegrityError):
+    """A chunk to copy is a delta against a base its manifest does not list, so GC, which reads
+    manifests only, would delete that base and break the checkpoint; nothing was published."""
 
 
 @dataclass(frozen=True)
@@ -211,9 +227,14 @@ def _transfer(
     # swept before its touch is stored again by ``_reconcile_chains``.
     dst.objects.freshen(ObjectKind.CHUNK, skipped, jobs)
 
-    copier = _ChunkCopier(src, dst, report, report_progress, codec, _element_sizes(manifests))
+    allowed = _common_bases(manifests.values())
+    copier = _ChunkCopier(
+        src, dst, report, report_progress, codec, _element_sizes(manifests), allowed
+    )
     copier.copy_all(missing, jobs)
-    _reconcile_chains(src, dst, [*skipped, *copier.lost], manifests, report, jobs)
+    if copier.unlisted:
+        raise _unlisted(op, src.url, selected, manifests, copier.unlisted)
+    _reconcile_chains(src, dst, [*skipped, *copier.lost], allowed, report, jobs)
     dst.objects.sync()
 
     for digest in manifests:
@@ -275,16 +296,50 @@ def read_manifest(stores: Stores, digest: Digest) -> Manifest:
         raise IntegrityError(f"{e} (in {stores.url})") from e
 
 
+def _common_bases(manifests: Iterable[Manifest]) -> dict[Digest, set[Digest]]:
+    """Chunk -> the bases every one of ``manifests`` that keeps it lists for it."""
+    common: dict[Digest, set[Digest]] = {}
+    for manifest in manifests:
+        for digest, bases in manifest.bases_by_chunk().items():
+            common[digest] = bases if digest not in common else common[digest] & bases
+    return common
+
+
+def _unlisted(
+    op: str,
+    source_url: str,
+    selected: Sequence[_Selected],
+    manifests: dict[Digest, Manifest],
+    unlisted: dict[Digest, Digest],
+) -> UnlistedBase:
+    """The one-line refusal naming a ref, a chunk and the base its manifest does not list."""
+    chunk, base = min(unlisted.items())
+    ref = next(
+        (
+            item.name
+            for item in selected
+            if base not in manifests[item.target].bases_by_chunk().get(chunk, {base})
+        ),
+        selected[0].name,
+    )
+    more = f" (and {len(unlisted) - 1} more such chunks)" if len(unlisted) > 1 else ""
+    return UnlistedBase(
+        f"{op} refused: ref {ref} in {source_url} needs chunk {chunk}, a delta against base "
+        f"{base} that its manifest does not list, so gc would delete that base{more}; no "
+        "manifest or ref was published"
+    )
+
+
 def _reconcile_chains(
     src: Stores,
     dst: Stores,
     found: Sequence[Digest],
-    manifests: dict[Digest, Manifest],
+    allowed: dict[Digest, set[Digest]],
     report: TransferReport,
     jobs: int,
 ) -> None:
-    """Rewrite standalone each chunk ``dst`` already held encoded against a base the copied
-    manifests do not list for it.
+    """Rewrite standalone each chunk ``dst`` already held encoded against a base one of the
+    copied manifests does not list for it (``allowed``).
 
     Manifests are copied byte for byte, so their ``encoding["base"]`` lists the source's chains.
     A chunk the destination stored itself (skipped here, or written by a racing writer first)
@@ -293,12 +348,6 @@ def _reconcile_chains(
     such chunk finds them; a standalone chunk needs no base. The same read returns a small chunk
     whole, and one whose bytes do not verify is rewritten too, so a push heals it.
     """
-    allowed: dict[Digest, set[Digest]] = {}
-    for manifest in manifests.values():
-        for entry in manifest.tensors:
-            bases = set(entry.base_digests())
-            for digest in [*(ref.digest for ref in entry.chunks), *bases]:
-                allowed.setdefault(digest, set()).update(bases)
 
     def check(digest: Digest) -> bool:
         # Gone (swept since it was found) or damaged (its header, or a small chunk's bytes,
@@ -327,6 +376,7 @@ class _ChunkCopier:
         progress: TransferProgress,
         codec: str,
         elem_sizes: dict[Digest, int],
+        allowed: dict[Digest, set[Digest]],
     ) -> None:
         self.src = src
         self.dst = dst
@@ -334,26 +384,22 @@ class _ChunkCopier:
         self.progress = progress
         self.codec = codec
         self.elem_sizes = elem_sizes
+        self.allowed = allowed
         self._lock = threading.Lock()
-        self._bases: set[Digest] = set()
+        self.unlisted: dict[Digest, Digest] = {}
+        """Copied chunks that are deltas against a base their manifests do not list -> base."""
         self.lost: list[Digest] = []
         """Chunks another writer stored at the destination first (its encoding stayed)."""
         self._beat = dst.writers.beat(None)
 
     def copy_all(self, digests: Sequence[Digest], jobs: int) -> None:
-        """Copy every digest; the first failure stops the rest and is raised as BackendError."""
-        todo = list(digests)
-        done: set[Digest] = set()
-        while todo:
-            self._run(todo, jobs)
-            done.update(todo)
-            # Bases a manifest did not list (deltas of deltas) must travel too.
-            extra = sorted(self._bases - done)
-            if not extra:
-                break
-            present = self.dst.objects.has_many(ObjectKind.CHUNK, extra)
-            done.update(d for d in extra if present[d])
-            todo = [d for d in extra if not present[d]]
+        """Copy every digest; the first failure stops the rest and is raised as BackendError.
+
+        Every base a copied chunk needs is in ``digests`` or at the destination already when
+        its manifests list it; the ones they do not list end up in ``unlisted``.
+        """
+        if digests:
+            self._run(digests, jobs)
 
     def _run(self, digests: Sequence[Digest], jobs: int) -> None:
         pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="cas-copy")
@@ -393,9 +439,9 @@ class _ChunkCopier:
         # Create-only: a chunk a writer stored at the destination meanwhile, perhaps as a delta
         # against another base that its manifest records, must not be replaced.
         copied = self.src.objects.copy(ObjectKind.CHUNK, digest, self.dst.objects)
-        with self._lock:
-            if copied.base is not None:
-                self._bases.add(copied.base)
+        if copied.base is not None and copied.base not in self.allowed.get(digest, set()):
+            with self._lock:
+                self.unlisted[digest] = copied.base
         self._counted(digest, copied.created, copied.size, copied.stored_bytes)
 
     def _recode_one(self, digest: Digest) -> None:

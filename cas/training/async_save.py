@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from cas.errors import CASError
-from cas.model.state import build_sparse, sparse_layout, sparse_parts
+from cas.model.state import alias_key, build_sparse, sparse_layout, sparse_parts
 from cas.repo.background import staging_offset
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class Stager:
         """A copy of ``state`` whose tensors live in ``staging``; shared tensors stay shared."""
         import torch
 
-        seen: dict[int, Any] = {}
+        seen: dict[object, Any] = {}
         counter = [0]
         device_copies = [False]
         staging.nbytes = 0
@@ -117,7 +117,8 @@ class Stager:
 
         def walk(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
-                key = id(obj)
+                # Tied weights from state_dict() are two objects over one storage: one copy.
+                key = alias_key(obj) or id(obj)
                 if key not in seen:
                     seen[key] = copy_any(obj)
                 return seen[key]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,10 +73,18 @@ def resume_meta(config_hash: str | None, config: Any, system_hash: str | None) -
 
 def check_system(ref: str, meta: Mapping[str, Any], current: str | None) -> None:
     """Raise SystemMismatch when ``ref`` was saved for a system (input data) hash other than
-    ``current``; like the config, nothing is checked when either side has none."""
+    ``current``, or for one while this run passes none (the caller's ``allow_system_change``
+    skips the check); a checkpoint saved without one is not checked."""
     saved = meta.get("system_hash")
-    if current is None or saved is None or saved == current:
+    if saved is None or saved == current:
         return
+    if current is None:
+        raise SystemMismatch(
+            f"cannot resume from {ref}: it was saved for system (input data) {str(saved)[:16]} "
+            "and this run passes no system_hash, so a change of inputs cannot be ruled out. "
+            "Pass the inputs' system_hash=, or restore(..., allow_system_change=True) to resume "
+            "without checking"
+        )
     raise SystemMismatch(
         f"cannot resume from {ref}: it was saved for system (input data) {str(saved)[:16]}, this "
         f"run's is {current[:16]}. Restore the original inputs, pass "
@@ -85,15 +93,28 @@ def check_system(ref: str, meta: Mapping[str, Any], current: str | None) -> None
     )
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """A template leaf for a tensor whose size is free along some dimensions: ``None`` in
+    ``shape`` matches any size there (``TensorSpec((None, 12))``: any number of cuts by 12
+    stages); ``dtype`` None matches any dtype."""
+
+    shape: tuple[int | None, ...]
+    dtype: str | None = None
+
+
 def check_keys(loaded: Any, template: Any, where: str) -> None:
-    """Raise StrictLoadError listing missing, unexpected and reshaped keys of ``loaded``."""
+    """Raise StrictLoadError listing missing, unexpected and reshaped keys of ``loaded``.
+
+    A template leaf is a tensor or array (its dtype and shape must match exactly) or a
+    ``TensorSpec`` with free dimensions."""
     have, want = _leaf_shapes(loaded), _leaf_shapes(template)
     missing = sorted(want.keys() - have.keys())
     unexpected = sorted(have.keys() - want.keys())
     reshaped = sorted(
-        f"{k}: checkpoint {have[k]} vs expected {want[k]}"
+        f"{k}: checkpoint {have[k]} vs expected {_shown(want[k])}"
         for k in have.keys() & want.keys()
-        if have[k] != want[k]
+        if not _fits(have[k], want[k])
     )
     if not (missing or unexpected or reshaped):
         return
@@ -104,9 +125,29 @@ def check_keys(loaded: Any, template: Any, where: str) -> None:
     raise StrictLoadError(f"strict load of {where} failed: " + "; ".join(parts))
 
 
+def _fits(have: Any, want: Any) -> bool:
+    if not isinstance(want, TensorSpec):
+        return bool(have == want)
+    if not isinstance(have, tuple):
+        return False
+    dtype, shape = have
+    if (want.dtype is not None and want.dtype != dtype) or len(shape) != len(want.shape):
+        return False
+    return all(w is None or w == h for h, w in zip(shape, want.shape, strict=True))
+
+
+def _shown(want: Any) -> Any:
+    if isinstance(want, TensorSpec):
+        shape = "(" + ", ".join("*" if d is None else str(d) for d in want.shape) + ")"
+        return f"({want.dtype or '*'!r}, {shape})"
+    return want
+
+
 def _leaf_shapes(state: Any, path: str = "") -> dict[str, Any]:
     import torch
 
+    if isinstance(state, TensorSpec):
+        return {path: state}
     if isinstance(state, (torch.Tensor, np.ndarray)):
         return {path: (str(state.dtype).removeprefix("torch."), tuple(state.shape))}
     if isinstance(state, Mapping):
@@ -141,6 +182,21 @@ def _jsonable(config: Any) -> Any:
 
 def _canonical_json(config: Any) -> str:
     return json.dumps(_jsonable(config), sort_keys=True, separators=(",", ":"))
+
+
+def config_change(meta: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """What a pivot's history record says about the config: the hashes before and after, and
+    ``{dotted key: [before, after]}`` for each changed key (when both configs are plain data)."""
+    old, new = meta.get("config"), plain_config(config)
+    changes = {key: [_at(old, key), _at(new, key)] for key in changed_keys(old, new)}
+    after = config_hash(config) if config is not None else None
+    return {"config_from": meta.get("config_hash"), "config_to": after, "config_diff": changes}
+
+
+def _at(config: Any, dotted: str) -> Any:
+    for part in dotted.split(".") if dotted != "<config>" else []:
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def plain_config(config: Any) -> Any:

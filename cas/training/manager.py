@@ -17,9 +17,7 @@ complete checkpoint. A ``policy`` is a ``RetentionPolicy`` (applied with ``Repos
 anything with ``apply(repo)`` or a callable ``policy(repo)``; it runs after each save, in the
 background. A ``mirror`` (a Repository or URL: the S3 archive) receives each gate and every move
 of ``best`` by push, so a corrupt gate can be healed from it (``cas.training.runrefs``). A
-``remote`` (a Repository or URL) is a second tier every save drains to in the background, kept by
-its own ``remote_policy``; a resume takes the newest checkpoint either tier holds
-(``cas.training.tiers``).
+``remote`` is a second tier every save drains to in the background (``cas.training.tiers``).
 """
 
 from __future__ import annotations
@@ -43,9 +41,11 @@ from cas.training.compat import (
     ConfigMismatch,
     StrictLoadError,
     SystemMismatch,
+    TensorSpec,
     check_config,
     check_keys,
     check_system,
+    config_change,
     config_hash,
     resume_meta,
 )
@@ -60,7 +60,7 @@ from cas.training.restore import (
 )
 from cas.training.run_names import DEFAULT_LAYOUT, Layout, new_run_id, run_prefix
 from cas.training.runrefs import RunRefs, open_mirror
-from cas.training.saves import PendingSave, PreparedSave, SaveResult, user_metadata
+from cas.training.saves import PendingSave, PreparedSave, SaveResult, retention_note, user_metadata
 from cas.training.schema import Migration, SchemaMismatch, UserSchema
 from cas.training.signals import SignalTriggers
 from cas.training.tiers import CLOSE_WAIT, RemoteTier, explain_full_disk
@@ -80,6 +80,7 @@ __all__ = [
     "Skipped",
     "StrictLoadError",
     "SystemMismatch",
+    "TensorSpec",
     "config_hash",
     "new_run_id",
 ]
@@ -87,7 +88,7 @@ __all__ = [
 log = logging.getLogger("cas.training.manager")
 
 CHECKPOINT_SCHEMA = 1
-MODES = ("fresh", "warm_start", "resume", "auto")
+MODES = ("fresh", "warm_start", "resume", "pivot", "auto")
 
 
 class CheckpointManager(RunRefs):
@@ -142,9 +143,9 @@ class CheckpointManager(RunRefs):
         self.run = run_prefix(run if run is not None else new_run_id(seed, clock))
         self.run_id = self.run.rsplit("/", 1)[-1]
         self.history = TrainingHistory(repo, layout.history.format(run=self.run))
-        self.tier = None if remote is None else RemoteTier.for_run(
-            repo, remote, layout, self.run, policy=remote_policy, max_pending=remote_queue
-        )  # fmt: skip
+        self.tier = RemoteTier.of_run(
+            repo, remote, layout, self.run, phase, remote_policy, remote_queue
+        )
         self._pending_records: list[HistoryRecord] = []
         self._records_lock = threading.Lock()
         self._stager = Stager()
@@ -164,9 +165,11 @@ class CheckpointManager(RunRefs):
         self._write_history = TrainingHistory(self._write_repo, self.history.ref)
         self.yield_thread = yield_thread
         self._lender = ThreadLender(yield_thread)
+        self._latest_known = self.latest_ref
         self._latest_target = self._read_target(self.latest_ref)
         self._best_cache: tuple[Digest, float] | None = None
         self._last_result: SaveResult | None = None
+        self._retention_note: dict[str, Any] | None = None
         self.triggers = SignalTriggers()
         if signals:
             self.triggers.install()
@@ -257,17 +260,9 @@ class CheckpointManager(RunRefs):
         }
         with self._records_lock:
             records, self._pending_records = self._pending_records, []
-        records.append(
-            {
-                "step": previous.step,
-                "event": "save",
-                "ref": previous.ref,
-                "trigger": "final",
-                "status": "completed",
-                "metrics": plain_metrics,
-                "same_state_as": previous.digest,
-            }
-        )
+        records.append({"step": previous.step, "event": "save", "ref": previous.ref,
+                        "trigger": "final", "status": "completed", "metrics": plain_metrics,
+                        "same_state_as": previous.digest})  # fmt: skip
         prepared = PreparedSave(
             {},
             meta,
@@ -334,16 +329,8 @@ class CheckpointManager(RunRefs):
             ref = self.checkpoint_ref(step, phase)
             with self._records_lock:
                 records, self._pending_records = self._pending_records, []
-            records.append(
-                {
-                    "step": step,
-                    "event": "save",
-                    "ref": ref,
-                    "trigger": trigger,
-                    "status": status,
-                    "metrics": plain_metrics,
-                }
-            )
+            records.append({"step": step, "event": "save", "ref": ref, "trigger": trigger,
+                            "status": status, "metrics": plain_metrics})  # fmt: skip
             meta = {**user, **self._meta(step, phase, trigger, status, plain_metrics)}
             prepared = PreparedSave(tree, meta, ref, step, phase, trigger, status, records, staging)
             prepared.blocking = time.perf_counter() - start
@@ -372,18 +359,14 @@ class CheckpointManager(RunRefs):
         self, step: int, phase: int, trigger: str, status: str, metrics: dict[str, Any]
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "cas_checkpoint": CHECKPOINT_SCHEMA,
-            "run": self.run_id,
-            "phase": phase,
-            "step": step,
-            "trigger": trigger,
-            "status": status,
-            "metrics": metrics,
-            "seed": self.seed,
+            "cas_checkpoint": CHECKPOINT_SCHEMA, "run": self.run_id, "phase": phase, "step": step,
+            "trigger": trigger, "status": status, "metrics": metrics, "seed": self.seed,
             "saved_at": self.clock(),
-        }
+        }  # fmt: skip
         meta.update(resume_meta(self.config_hash, self.config, self.system_hash))
         meta.update(self.schema.meta())
+        if self._retention_note is not None:  # the policy fell behind after an earlier save
+            meta["retention"] = self._retention_note
         return meta
 
     def _write(self, prepared: PreparedSave) -> SaveResult:
@@ -421,20 +404,27 @@ class CheckpointManager(RunRefs):
         self, prepared: PreparedSave, digest: Digest, start: float, logical: int, new: int
     ) -> SaveResult:
         """Move ``latest`` and ``best`` to the committed ``digest``, then run the policy."""
+        latest = self.latest_ref_of(prepared.phase)
+        if latest != self._latest_known:  # a per-phase latest: another phase's pointer
+            self._latest_target = self._read_target(latest)
         self._write_repo.set_ref(  # the run's own pointer: moving it is what it is for
-            self.latest_ref, digest, expected=self._latest_target, op="save",
+            latest, digest, expected=self._latest_target, op="save",
             message=prepared.ref, overwrite=True,
         )  # fmt: skip
-        self._latest_target = digest
+        self._latest_target, self._latest_known = digest, latest
         is_best = self._update_best(digest, prepared)
         mirror_error = self._mirror_best(prepared.phase, digest)
-        retention_error = None
+        retention_error: str | None = None
+        damaged: tuple[str, ...] = ()
         if self.policy is not None:
             try:
-                self._apply_policy()
+                damaged = self._apply_policy()
             except Exception as e:  # e.g. a `cas gc` holds the maintenance lock right now
                 retention_error = f"{type(e).__name__}: {e}"
                 log.warning("saved %s; retention did not run: %s", prepared.ref, retention_error)
+            if damaged:
+                log.warning("saved %s; retention kept damaged refs %s", prepared.ref, damaged)
+        self._retention_note = retention_note(prepared.step, retention_error, damaged)
         result = SaveResult(
             prepared.step,
             prepared.phase,
@@ -449,19 +439,20 @@ class CheckpointManager(RunRefs):
             new,
             retention_error,
             mirror_error,
+            damaged,
             self.tier.notify(prepared.ref, prepared.meta["saved_at"], new) if self.tier else None,
         )
         self._last_result = result
         return result
 
-    def _apply_policy(self) -> None:
-        if isinstance(self.policy, RetentionPolicy) and self.tier is not None:
-            self.tier.apply_local_policy(self.policy)  # spares what the remote still needs
-        elif isinstance(self.policy, RetentionPolicy):
-            self.repo.forget(self.policy)
-        else:
-            apply = getattr(self.policy, "apply", None)
-            (apply or self.policy)(self.repo)
+    def _apply_policy(self) -> tuple[str, ...]:
+        """Run the policy; the damaged refs it kept (a RetentionPolicy's, which reports them)."""
+        if isinstance(self.policy, RetentionPolicy):
+            forget = self.tier.apply_local_policy if self.tier is not None else self.repo.forget
+            return tuple(d.ref for d in forget(self.policy).damaged)
+        apply = getattr(self.policy, "apply", None)
+        (apply or self.policy)(self.repo)
+        return ()
 
     def wait(self) -> None:
         """Wait for every save in flight; raise a background failure."""
@@ -517,6 +508,8 @@ class CheckpointManager(RunRefs):
           ``source``, a latest checkpoint that fails verification is skipped for the one before
           it, with a warning and an entry in ``Restored.fallbacks``. The ``system_hash`` must
           match too, unless ``allow_system_change``.
+        - ``pivot``: ``resume`` under a changed config (ANDREA's polish pivot): the exact state,
+          RNGs and step go on; the history records the pivot and the config's changes.
 
         A checkpoint of an older ``schema_version`` is passed through ``migrations`` before it
         is returned; one of a newer version is refused (``SchemaMismatch``) in every mode.
@@ -524,6 +517,7 @@ class CheckpointManager(RunRefs):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.wait()
+        self._latest_known = self.latest_ref
         if self.tier is not None and source is None and mode != "fresh":
             self.tier.pull_newer()  # a later checkpoint on the remote: this node is new
         self._latest_target = self._read_target(self.latest_ref)
@@ -542,9 +536,10 @@ class CheckpointManager(RunRefs):
 
         def check(ref: str, meta: Mapping[str, Any]) -> None:
             self.schema.check(ref, meta)
-            if mode != "resume":
+            if mode == "warm_start":
                 return
-            check_config(ref, meta, self.config_hash, self.config)
+            if mode == "resume":
+                check_config(ref, meta, self.config_hash, self.config)
             if not allow_system_change:
                 check_system(ref, meta, self.system_hash)
 
@@ -553,7 +548,7 @@ class CheckpointManager(RunRefs):
             candidates,
             keys=keys,
             map_location=map_location,
-            with_rng=mode == "resume",
+            with_rng=mode != "warm_start",
             check=check,
             fallback=source is None,
             heal=self.tier.heal if self.tier is not None else None,
@@ -566,7 +561,7 @@ class CheckpointManager(RunRefs):
             check_keys(state, template, found.ref)
         step = int(found.meta.get("step", 0))
         warnings: list[str] = []
-        if mode == "resume":
+        if mode in ("resume", "pivot"):
             if isinstance(found.tree, dict) and isinstance(found.tree.get("rng"), dict):
                 warnings = rng_mod.restore(found.tree["rng"])
             elif self.capture_rng:
@@ -581,6 +576,7 @@ class CheckpointManager(RunRefs):
                     "event": mode,
                     "ref": found.ref,
                     "skipped": [s.ref for s in found.skipped],
+                    **(config_change(found.meta, self.config) if mode == "pivot" else {}),
                 }
             )
         return Restored(

@@ -20,6 +20,7 @@ function of the seed and the roster.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from cas.digest import Digest, digest_of
 from cas.errors import CASError, FormatError, NotFound
 from cas.model.manifest import Manifest
 from cas.model.subset import subset_manifest
+from cas.refs.listing import DamagedRef
 from cas.refs.log import AppendLog
 from cas.refs.records import RefRecord
 from cas.refs.store import RefChange
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 
     from cas.repo.repository import Repository
 
+log = logging.getLogger(__name__)
 ENTRY_RE = re.compile(r"pool_v(\d+)_step(\d+)\Z")
 EVICTIONS_KIND = "pool-evictions"
 RATING_FIELDS = ("mu", "sigma", "games", "win_rate")
@@ -106,6 +109,15 @@ def _entry_from(ref: str, digest: Digest, pool_meta: Mapping[str, Any]) -> PoolE
         raise FormatError(f"pool entry {ref} has malformed pool metadata: {e}") from e
 
 
+def _is_entry(ref: str) -> bool:
+    return ENTRY_RE.match(ref.rsplit("/", 1)[-1]) is not None
+
+
+def _version_in(ref: str) -> int:
+    match = ENTRY_RE.match(ref.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else 0
+
+
 class OpponentPool:
     """The pool under ``prefix``; see the module docstring."""
 
@@ -125,6 +137,8 @@ class OpponentPool:
         self.clock = clock
         self._manifests: dict[Digest, Manifest] = {}
         self._eviction_log: AppendLog = repo.append_log(self.eviction_log_ref, EVICTIONS_KIND)
+        self.damaged: tuple[DamagedRef, ...] = ()
+        """Entries the last ``entries()`` left out because they cannot be read."""
 
     @property
     def counter_ref(self) -> str:
@@ -150,14 +164,26 @@ class OpponentPool:
         return _entry_from(ref, digest, meta)
 
     def entries(self, *, include_anchors: bool = True) -> list[PoolEntry]:
-        """Every model in the pool, oldest version first; reads manifests, never weights."""
+        """Every model in the pool, oldest version first; reads manifests, never weights.
+
+        An entry whose ref or manifest cannot be read is left out, never evicted, and listed in
+        ``damaged`` (its version is never handed out again); ``cas repair`` or ``cas rm``."""
         out = []
-        for record in self.repo.refs(f"{self.prefix}/"):
-            if ENTRY_RE.match(record.name.rsplit("/", 1)[-1]) is None:
+        listing = self.repo.list_refs(f"{self.prefix}/")
+        damaged = [d for d in listing.damaged if _is_entry(d.ref)]
+        for record in listing.records:
+            if not _is_entry(record.name):
                 continue
-            entry = self._entry(record.name, record.target)
+            try:
+                entry = self._entry(record.name, record.target)
+            except CASError as e:  # a damaged manifest: kept, outside the capacity
+                damaged.append(DamagedRef(record.name, str(e)))
+                continue
             if include_anchors or not entry.anchor:
                 out.append(entry)
+        if damaged and damaged != list(self.damaged):
+            log.warning("pool %s: damaged entries kept: %s", self.prefix, damaged)
+        self.damaged = tuple(damaged)
         return sorted(out, key=lambda e: e.version)
 
     def get(self, version: int) -> PoolEntry:
@@ -193,6 +219,7 @@ class OpponentPool:
         # The counter is the authority; existing names and the log only guard against a counter
         # that was deleted by hand, so a version is never handed out twice.
         seen = [e.version for e in self.entries()] + [int(v["version"]) for v in self.evictions()]
+        seen += [_version_in(d.ref) for d in self.damaged]
         return max([stored, *(v + 1 for v in seen)])
 
     def _claim_version(self) -> int:

@@ -18,6 +18,8 @@ class Layout:
 
     Gates live under their run, so two runs that promote a gate of the same name keep both;
     ``Layout(gate="gates/{name}")`` shares one store-wide gate between runs on purpose.
+    ``latest`` may name ``{phase}`` (``"{run}/phase{phase}/latest"``): each phase then keeps its
+    own pointer, which saves of that phase move and ``restore`` of that phase reads.
     """
 
     checkpoint: str = "{run}/phase{phase}/ckpt_phase{phase}_step{step:08d}"

@@ -64,8 +64,13 @@ class RunRefs:
 
     @property
     def latest_ref(self) -> str:
-        """The ref naming the newest checkpoint of the run."""
-        return self.layout.latest.format(run=self.run)
+        """The ref naming the newest checkpoint of the run (of the current phase, for a
+        per-phase ``Layout(latest="{run}/phase{phase}/latest")``)."""
+        return self.latest_ref_of(self.phase)
+
+    def latest_ref_of(self, phase: int) -> str:
+        """The ``latest`` pointer a save in ``phase`` moves."""
+        return self.layout.latest.format(run=self.run, phase=phase)
 
     @property
     def best_ref(self) -> str:

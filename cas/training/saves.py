@@ -33,8 +33,25 @@ class SaveResult:
     """Why the retention policy did not run after this save (it is committed all the same)."""
     mirror_error: str | None = None
     """Why ``best``, moved to this save, was not pushed to the mirror store."""
+    retention_damaged: tuple[str, ...] = ()
+    """Refs the retention policy kept after this save because they cannot be read (damaged
+    record or manifest): outside its count, never removed; ``cas repair`` or ``cas rm``."""
+
     remote_lag: TierLag | None = None
     """With a remote tier: the saves (this one included) and bytes not yet there, and since when."""
+
+    @property
+    def retention_ran(self) -> bool:
+        """Whether the policy ran fully after this save (no error, nothing damaged in its way)."""
+        return self.retention_error is None and not self.retention_damaged
+
+
+def retention_note(step: int, error: str | None, damaged: tuple[str, ...]) -> dict[str, Any] | None:
+    """What the next checkpoint's meta records (``retention``) about the policy's run after save
+    ``step``, so ``cas status`` can show a run whose retention fell behind; None when it ran."""
+    if error is None and not damaged:
+        return None
+    return {"after_step": step, "error": error, "damaged": list(damaged)}
 
 
 class PendingSave:
@@ -73,7 +90,7 @@ class PreparedSave:
 
 RESERVED_META = frozenset(
     {"cas_checkpoint", "run", "phase", "step", "trigger", "status", "metrics", "seed",
-     "saved_at", "config_hash", "config", "system_hash", "schema_version"}
+     "saved_at", "config_hash", "config", "system_hash", "schema_version", "retention"}
 )  # fmt: skip
 """The manifest meta keys the manager writes itself; ``metadata=`` may not use them."""
 

@@ -82,13 +82,14 @@ def explain_full_disk(tier: RemoteTier | None) -> Iterator[None]:
         ) from e
 
 
-def run_selectors(layout: Layout, run: str) -> tuple[str, str, list[str]]:
-    """Globs of a run's checkpoint refs, its ``latest`` ref, and globs of its pointers (best, gates)."""
+def run_selectors(layout: Layout, run: str, phase: int = 1) -> tuple[str, str, list[str]]:
+    """Globs of a run's checkpoint refs, its ``latest`` ref (of ``phase``, for a per-phase
+    ``latest``), and globs of its pointers (best, gates)."""
     checkpoint = re.sub(r"\{step[^}]*\}", "*", layout.checkpoint)
     checkpoints = checkpoint.format(run=run, phase="*")
     best = layout.best.format(run=run, phase="*")
     gates = layout.gate.format(run=run, phase="*", name="*")
-    return checkpoints, layout.latest.format(run=run), [best, gates]
+    return checkpoints, layout.latest.format(run=run, phase=phase), [best, gates]
 
 
 class RemoteTier:
@@ -162,6 +163,24 @@ class RemoteTier:
             return self._remote
 
     @classmethod
+    def of_run(
+        cls,
+        local: Repository,
+        remote: Repository | str | None,
+        layout: Layout,
+        run: str,
+        phase: int,
+        policy: RetentionPolicy | None,
+        max_pending: int,
+    ) -> RemoteTier | None:
+        """``CheckpointManager``'s tier: None without a ``remote``, else ``for_run``."""
+        if remote is None:
+            return None
+        return cls.for_run(
+            local, remote, layout, run, policy=policy, max_pending=max_pending, phase=phase
+        )
+
+    @classmethod
     def for_run(
         cls,
         local: Repository,
@@ -171,9 +190,10 @@ class RemoteTier:
         *,
         policy: RetentionPolicy | None,
         max_pending: int,
+        phase: int = 1,
     ) -> RemoteTier:
         """The remote tier of the run ``run`` (its ``runs/<id>`` prefix) under ``layout``."""
-        checkpoints, latest, pointers = run_selectors(layout, run)
+        checkpoints, latest, pointers = run_selectors(layout, run, phase)
         return cls(
             local, remote, checkpoints=checkpoints, latest=latest, pointers=pointers,
             policy=policy, max_pending=max_pending,

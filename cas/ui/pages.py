@@ -279,6 +279,7 @@ def storage_page(data: dict[str, Any]) -> str:
     )
     return (
         bar
+        + _as_of(data)
         + problem
         + table(["", ""], ([escape(a), escape(b)] for a, b in facts), "facts")
         + "<h2>Per run</h2>"

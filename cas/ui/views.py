@@ -367,9 +367,10 @@ def _storage(repo: Repository, snapshots: Snapshots) -> dict[str, Any]:
         "referenced_bytes": index.referenced_bytes,
         "logical_bytes": stats.logical_bytes,
         "unique_bytes": stats.unique_bytes,
-        "reachable_stored_bytes": stats.reachable_stored_bytes,
+        # Chunks and manifests refs reach, as `cas stats`, `du` and `show` count them.
+        "reachable_stored_bytes": stats.stored_bytes,
         "dedup_ratio": stats.dedup_ratio,
-        "saved_bytes": max(0, stats.logical_bytes - stats.reachable_stored_bytes),
+        "saved_bytes": max(0, stats.logical_bytes - stats.stored_bytes),
         "runs": [u.to_dict() for u in per_run],
         "damaged_refs": [d.ref for d in index.damaged],
         "quarantine": {"objects": stats.quarantined_objects, "bytes": stats.quarantined_bytes},

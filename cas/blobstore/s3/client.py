@@ -28,7 +28,9 @@ class S3Options:
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     max_attempts: int = 2
-    """Total attempts botocore makes per request; ``RetryingBlobStore`` does the real retrying."""
+    """Attempts s3transfer makes per part of a large download (a read, safe to repeat). Every
+    other request is made once: ``RetryingBlobStore`` is the one retry layer (see
+    ``make_client``)."""
     multipart_threshold: int = 64 * MiB
     """Blobs larger than this go up as multipart uploads, their parts in parallel."""
     multipart_part_size: int = 16 * MiB
@@ -39,7 +41,14 @@ class S3Options:
 
 
 def make_client(options: S3Options, *, create_only: bool = False) -> Any:
-    """A thread-safe botocore S3 client for ``options``.
+    """A thread-safe botocore S3 client for ``options``; it makes each request once.
+
+    botocore's own retries are off. A conditional write whose reply was lost (a 500 after the
+    write landed, a reset connection) and that botocore retried would come back 412, and the
+    caller could not tell its own landed write from another writer's: a push would report a
+    false conflict, GC would find its own maintenance lock held, a save would record its
+    history event twice. ``RetryingBlobStore`` retries instead, and knows that after a lost
+    reply a 412 may be its own write.
 
     ``create_only``: every multipart upload the client completes carries ``If-None-Match: *``.
     s3transfer passes no condition to ``CompleteMultipartUpload`` (its argument lists leave it
@@ -56,7 +65,7 @@ def make_client(options: S3Options, *, create_only: bool = False) -> Any:
         max_pool_connections=options.max_pool_connections,
         connect_timeout=options.connect_timeout,
         read_timeout=options.read_timeout,
-        retries={"mode": "standard", "total_max_attempts": options.max_attempts},
+        retries={"mode": "standard", "total_max_attempts": 1},
         s3={"addressing_style": addressing} if addressing else None,
         # Payloads are verified end to end by blake3, and several S3-compatible servers reject
         # the aws-chunked checksum trailers botocore sends by default since 1.36.

@@ -2,7 +2,9 @@
 
 After the Trainer writes ``<output_dir>/checkpoint-N/`` it calls ``on_save``; the callback ingests
 the directory with ``repo.put_path`` under ``<prefix>/ckpt_step<08d>`` and moves ``<prefix>/latest``
-by compare-and-swap. The safetensors weights and the ``torch.save`` optimizer/scheduler files are cut
+by compare-and-swap. What the Trainer logged at that step (``eval_loss`` after an evaluation,
+``loss``...) is stored in the manifest's ``meta["metrics"]``, where a retention policy's
+``keep_best`` reads it. The safetensors weights and the ``torch.save`` optimizer/scheduler files are cut
 at tensor boundaries, so unchanged tensors dedup across checkpoints and with tensors saved through
 ``repo.save``. ``training_args.bin`` is a pickled ``TrainingArguments`` (not weights-only), so it is
 stored as opaque bytes (``allow_opaque_pickles=True``) and never unpickled by cas.
@@ -47,6 +49,20 @@ if TYPE_CHECKING:
     from cas.repo.repository import Repository
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"
+
+
+def _metrics_at(state: TrainerState, step: int) -> dict[str, float]:
+    """The numbers the Trainer logged at ``step`` (``eval_loss``, ``loss``...), so a retention
+    policy's ``keep_best("eval_loss")`` can rank the checkpoint; eval values win over training
+    values of the same step."""
+    out: dict[str, float] = {}
+    for entry in state.log_history:
+        if entry.get("step") != step:
+            continue
+        for key, value in entry.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                out[key] = float(value)
+    return out
 
 
 class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
@@ -97,7 +113,7 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         prefix = self._prefix(args)
         ref = f"{prefix}/ckpt_step{step:08d}"
         meta = {"step": step, "epoch": state.epoch, "source": "transformers",
-                "best_metric": state.best_metric}  # fmt: skip
+                "best_metric": state.best_metric, "metrics": _metrics_at(state, step)}  # fmt: skip
         tier = self._tier(prefix)
 
         def ingest(_: None) -> Digest:
