@@ -7,6 +7,7 @@ would produce, and returns nothing: the tests then point the CLI and ``Repositor
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from cas.codecs.bytegroup import PLANE_ZSTD, PlaneTable
 from cas.digest import Digest, digest_of, digest_to_bytes
 from cas.objects.envelope import encode_header
 from cas.objects.store import chunk_key
+from cas.refs.keys import ref_key
+from cas.refs.records import encode_ref
 
 HOSTILE_REF = "runs/hostile"
 BOMB_SIZE = 64 << 20
@@ -152,6 +155,44 @@ def repeated_chunk(root: Path, times: int = 1_500_000) -> None:
     digest = plant_chunk(root, bytes(range(8)))
     entry = {"kind": "torch", "dtype": "uint8", "shape": [8 * times], "nbytes": 8 * times}
     plant_manifest(root, one_tensor({**entry, "chunks": [[digest, 8]] * times}))
+
+
+def empty_lists_meta(root: Path, count: int = 23_200_000, width: int = 0) -> None:
+    """A manifest whose ``meta`` holds ``count`` empty msgpack arrays: 876 bytes stored, 3.4 GB
+    of lists when unpacked. ``width`` > 0 nests them ``width`` to a list, so that no single
+    array header declares the whole count."""
+    if width:
+        groups = count // width
+        lists = (
+            b"\xdd" + groups.to_bytes(4, "big") + (bytes([0x90 + width]) + b"\x90" * width) * groups
+        )
+    else:
+        lists = b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count
+    doc = state_doc({"~": "dict", "items": []})
+    doc["meta"] = {"x": _SPLICE}
+    repo = cas.open(root)
+    try:
+        data = msgpack.packb(doc).replace(msgpack.packb(_SPLICE), lists)
+        repo.set_ref(HOSTILE_REF, repo.objects.put_manifest(data, codec_by_name("zstd")))
+    finally:
+        repo.close()
+
+
+def repeated_segment(root: Path, times: int = 200_000) -> None:
+    """A ref whose record lists one sealed history segment ``times`` times (15 MB of record,
+    12.8 million events if each listing were read)."""
+    repo = cas.open(root)
+    try:
+        targets = [repo.save({"step": step}, "runs/scratch") for step in range(2)]
+        for step in range(200):
+            repo.set_ref(HOSTILE_REF, targets[step % 2])
+        record = repo.find_ref(HOSTILE_REF)
+        assert record is not None and record.sealed
+        hostile = replace(record, sealed=record.sealed[-1:] * times)
+        repo.blobs.put(ref_key(record.name), encode_ref(hostile))
+        repo.rm("runs/scratch")
+    finally:
+        repo.close()
 
 
 BUILDERS: dict[str, Callable[[Path], None]] = {

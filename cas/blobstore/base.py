@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NewType, TypeAlias
 
-from cas.errors import InvalidName, NotFound
+from cas.errors import IntegrityError, InvalidName, NotFound
 
 Version = NewType("Version", str)
 """An opaque token naming one stored version of a blob (an ETag on S3, a content hash locally)."""
@@ -30,6 +33,44 @@ class BlobInfo:
     size: int
     mtime: float
     """Seconds since the epoch of the last write or ``touch``."""
+
+
+def open_local_blob(path: str | os.PathLike[str], key: str) -> int:
+    """A read-only descriptor of the file holding blob ``key``, opened without blocking.
+
+    Only a regular file is a blob: a FIFO, device or socket planted under a blob's name (by
+    accident or by a hostile hand) is IntegrityError, damage to report, never a read that waits
+    forever for a writer or returns a device's endless bytes. NotFound if there is no file;
+    OSError for anything else the disk says.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        raise NotFound(f"no blob {key!r}") from e
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a socket (or a FIFO opened for writing) has no reader side
+            raise IntegrityError(f"blob {key!r} is a socket, not a regular file") from e
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise NotFound(f"no blob {key!r}: a directory of blobs")
+        raise IntegrityError(f"blob {key!r} is {file_kind(mode)}, not a regular file")
+    return fd
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` that is not a regular file is, for a message: "a FIFO"..."""
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 def check_key(key: str) -> str:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from cas.blobstore.base import BlobStore
+from cas.blobstore.base import BlobStore, open_local_blob
 from cas.errors import BackendError, NotFound
 
 DEFAULT_WORKERS = 16
@@ -57,9 +57,9 @@ def read_into(store: BlobStore, key: str, start: int, outs: Sequence[memoryview]
         data = store.get_range(key, start, start + wanted)
         return _scatter(memoryview(data), outs)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except (FileNotFoundError, IsADirectoryError) as e:
-        raise NotFound(f"no blob {key!r}") from e
+        fd = open_local_blob(path, key)
+    except NotFound:
+        raise
     except OSError as e:
         raise BackendError(f"reading {path}: {e.strerror}") from e
     try:

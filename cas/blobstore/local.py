@@ -21,14 +21,17 @@ from cas.blobstore.base import (
     Payload,
     Version,
     check_key,
+    open_local_blob,
     parts_of,
 )
 from cas.blobstore.direct import AlignedBuffers, DirectIOUnsupported, wants_direct, write_direct
+from cas.blobstore.tempfiles import WriterTemps, remove_dead
 from cas.digest import digest_of
 from cas.errors import BackendError, CASError, NotFound, PreconditionFailed
 
 TMP_DIR = "tmp"
-"""Temporary files live here, never under a final name; GC removes stale ones."""
+"""Temporary files live here, never under a final name: each writing handle's in its own locked
+directory (``cas.blobstore.tempfiles``), removed once the handle is certainly gone."""
 LOCK_DIR = "tmp/locks"
 
 _MAX_READ = 0x7FFFF000
@@ -69,11 +72,12 @@ def _discard(tmp: Path) -> None:
 class LocalBlobStore(BlobStore):
     """Blobs as files below ``root``.
 
-    ``put`` writes ``root/tmp/<random>.tmp``, fsyncs it and renames it over the final name, so a
-    crash leaves at most a stray temp file. ``put_if_absent`` writes the temp file the same way and
-    hard-links it to the final name, which fails if the name exists. Directories touched by
-    ``put`` are fsynced by ``sync``; conditional writes hold an ``flock`` on a per-key lock file
-    and fsync at once.
+    ``put`` writes ``root/tmp/writers/<handle>/<random>.tmp``, fsyncs it and renames it over the
+    final name, so a crash leaves at most a stray temp file, which the next writer to open the
+    store (or GC) removes once the handle's lock shows it is gone. ``put_if_absent`` writes the
+    temp file the same way and hard-links it to the final name, which fails if the name exists.
+    Directories touched by ``put`` are fsynced by ``sync``; conditional writes hold an ``flock``
+    on a per-key lock file and fsync at once.
 
     With ``direct_io=True`` (what ``for_background_writes`` returns) blobs from 1 MiB to 64 MiB,
     chunks in practice, are written with ``O_DIRECT`` where the filesystem takes it
@@ -94,6 +98,7 @@ class LocalBlobStore(BlobStore):
         self._dirty_dirs: set[Path] = set()
         self._dirty_lock = threading.Lock()
         self._known_dirs: set[Path] = set()
+        self._temps = WriterTemps(self.root / TMP_DIR)
         self._prepared = False
         """Whether ``tmp/locks`` exists: made on the first write, so that opening a store that is
         not there (``cas --store typo ls``, tab completion) leaves nothing behind."""
@@ -105,6 +110,8 @@ class LocalBlobStore(BlobStore):
             (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise BackendError(f"cannot create store directory {self.root}: {e.strerror}") from e
+        with contextlib.suppress(OSError):  # housekeeping: GC removes what is left
+            remove_dead(self.root / TMP_DIR)
         self._prepared = True
 
     def _path(self, key: str) -> Path:
@@ -124,7 +131,7 @@ class LocalBlobStore(BlobStore):
         small chunk from the page cache."""
         path = os.path.join(self._root_str, check_key(key))
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_local_blob(path, key)
             try:
                 if length is None:
                     length = max(0, os.fstat(fd).st_size - start)
@@ -153,6 +160,10 @@ class LocalBlobStore(BlobStore):
     def local_root(self) -> Path:
         return self.root
 
+    def close(self) -> None:
+        """Give up this handle's temp directory (a later write takes a new one)."""
+        self._temps.close()
+
     @property
     def supports_rename(self) -> bool:
         return True
@@ -179,6 +190,7 @@ class LocalBlobStore(BlobStore):
         handle = copy.copy(self)
         handle._direct_io = True
         handle._aligned = AlignedBuffers()
+        handle._temps = WriterTemps(self.root / TMP_DIR)  # its own lock: closed on its own
         handle._dirty_dirs = set()
         handle._dirty_lock = threading.Lock()
         return handle
@@ -190,7 +202,7 @@ class LocalBlobStore(BlobStore):
 
     def _write_temp(self, *parts: BytesLike, fsync: bool = True) -> Path:
         self._prepare()
-        tmp = self.root / TMP_DIR / f"{uuid.uuid4().hex}.tmp"
+        tmp = self._temps.directory() / f"{uuid.uuid4().hex}.tmp"
         fsync = fsync and self._fsync
         if self._direct_io:
             total = sum(memoryview(part).nbytes for part in parts)
@@ -370,10 +382,14 @@ class LocalBlobStore(BlobStore):
 
     def _current_version(self, path: Path) -> Version | None:
         try:
-            with open(path, "rb") as f:
-                return Version(digest_of(f.read()))
-        except _MISSING:
+            fd = open_local_blob(path, str(path.relative_to(self.root)))
+        except NotFound:
             return None
+        except OSError as e:
+            raise _backend_error("reading", path, e) from e
+        try:
+            with open(fd, "rb") as f:
+                return Version(digest_of(f.read()))
         except OSError as e:
             raise _backend_error("reading", path, e) from e
 

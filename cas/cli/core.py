@@ -296,12 +296,13 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
     history is left out and named in a warning line (exit status 0).
     """
     from cas.errors import CASError
-    from cas.refs.records import RefEvent
+    from cas.refs.records import MAX_STORED_HISTORY, RefEvent
 
     repo = obj.open(create=False, readonly=True)
     events: list[RefEvent] = []
     damage: CASError | None = None
-    history = repo.ref_events(ref)
+    record = repo.find_ref(ref)
+    history = repo.ref_events(ref if record is None else record)
     try:
         for event in itertools.islice(history, max_count):
             events.append(event)
@@ -333,6 +334,15 @@ def log(obj: Context, ref: str, max_count: int | None, as_json: bool) -> None:
         warn_damaged(f"{ref}: {problem} (not shown)" for problem in record.problems())
     if damage is not None:
         warn_damaged([f"older history of {ref}: {damage}"])
+        sys.exit(1)
+    if record is not None and record.ignored_history and max_count is None:
+        warn_damaged(
+            [
+                f"all of {ref}'s history: its record lists {record.ignored_history} more events "
+                f"(segments repeated, or past the {MAX_STORED_HISTORY:,} a reader takes); "
+                "the next change of the ref drops them"
+            ]
+        )
         sys.exit(1)
 
 

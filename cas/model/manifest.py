@@ -12,7 +12,7 @@ Decoding validates every field and bound, so a hostile or corrupt manifest is a 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +20,11 @@ import msgpack
 
 from cas.digest import Digest, digest_to_bytes, parse_digest
 from cas.errors import FormatError
+from cas.model.bounded import unpack_bounded
 from cas.model.schema import (
     MAX_CHUNK_BYTES,
     MAX_ELEMENT_BYTES,
+    MAX_TREE_DEPTH,
     check_stored_meta,
     check_tree,
     expect,
@@ -37,6 +39,9 @@ from cas.names import check_relative_path
 MANIFEST_FORMAT = "cas-manifest"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 512 << 20
+MAX_MANIFEST_NESTING = 3 * MAX_TREE_DEPTH + 8
+"""msgpack levels a manifest may nest: a state tree spends up to three per level (node, items,
+pair), under the document's own map and its entry."""
 
 ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -225,7 +230,7 @@ def _unpack_chunks(raw: Any, total: int, refs: dict[int, ChunkRef]) -> tuple[Chu
     expect(isinstance(raw, list), "chunk list is not a list")
     chunks = []
     for item in raw:
-        # Identical refs share one list (see _share_pairs), so one ChunkRef serves them all.
+        # Identical refs share one list (see share_digest_lists), so one ChunkRef serves them all.
         ref = refs.get(id(item))
         if ref is None:
             expect(isinstance(item, list) and len(item) == 2, "chunk ref is not [digest, size]")
@@ -289,7 +294,10 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
     size, fmt, mode = raw.get("size"), raw.get("format"), raw.get("mode", 0o644)
     expect(is_size(size, MAX_ELEMENT_BYTES), "bad file size")
     expect(is_name(fmt), "bad file format")
-    expect(is_size(mode, 0o7777), "bad file mode")
+    # Permission bits only: cas never stores setuid, setgid or sticky bits (``docs/format.md``),
+    # and a store that declares them is not one to restore them from.
+    shown = oct(mode) if is_int(mode) else str(mode)[:24]
+    expect(is_size(mode, 0o777), f"file mode {shown} is not permission bits (0o777 at most)")
     mtime_ns = raw.get("mtime_ns")
     expect(mtime_ns is None or is_int(mtime_ns), "bad file mtime")
     raw_regions = raw.get("regions", [])
@@ -306,41 +314,26 @@ def _unpack_file(raw: Any, tensor_count: int, refs: dict[int, ChunkRef]) -> File
         fmt,
         _unpack_chunks(raw.get("chunks"), size, refs),
         tuple(regions),
-        mode & 0o777,
+        mode,
         mtime_ns,
     )
 
 
-def _share_pairs() -> Callable[[list[Any]], list[Any]]:
-    """A msgpack list hook that returns one list for every equal ``[digest, size]`` pair.
-
-    A few KB of zstd'd manifest can name one chunk a million times; shared as they are
-    unpacked, the repeats cost a pointer each instead of a list, a bytes and a ChunkRef.
-    """
-    seen: dict[tuple[bytes, int], list[Any]] = {}
-
-    def share(item: list[Any]) -> list[Any]:
-        if len(item) == 2 and type(item[0]) is bytes and type(item[1]) is int:
-            return seen.setdefault((item[0], item[1]), item)
-        return item
-
-    return share
-
-
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate manifest bytes; an unknown format or version, or any field out of its
-    bounds (``cas.model.schema``), is a FormatError."""
+    """Parse and validate manifest bytes; an unknown format or version, any field out of its
+    bounds (``cas.model.schema``), or bytes that would cost more memory to decode than their size
+    allows (``cas.model.bounded``) is a FormatError."""
     expect(len(data) <= MAX_MANIFEST_BYTES, "manifest too large")
+    refused = None
     try:
-        doc = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=False,
-            max_bin_len=MAX_MANIFEST_BYTES,
-            list_hook=_share_pairs(),
-        )
-    except Exception as e:
-        raise FormatError(f"manifest is not valid msgpack: {e}") from e
+        doc = unpack_bounded(data, "manifest", max_depth=MAX_MANIFEST_NESTING, share=bytes)
+    except FormatError as e:
+        refused = str(e)
+    if refused is not None:
+        # Raised afresh, with the bytes let go: a caller that keeps the error to report it
+        # (a damaged ref of a listing) must not keep tens of MB of refused manifest alive.
+        del data
+        raise FormatError(refused)
     expect(isinstance(doc, dict), "top level is not a map")
     if doc.get("format") != MANIFEST_FORMAT:
         raise FormatError("not a cas manifest")

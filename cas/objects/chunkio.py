@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
-from cas.errors import FormatError
+from cas.errors import FormatError, IntegrityError
 from cas.model.manifest import ChunkRef
 from cas.objects.chunking import Cut
 from cas.objects.private import private_view
@@ -212,23 +212,34 @@ class ChunkIO:
     def iter_chunks(
         self, chunks: Iterable[ChunkRef], prefetch: int = 16
     ) -> Iterator[bytes | memoryview]:
-        """Yield verified chunk bytes in order, fetching up to ``prefetch`` ahead."""
+        """Yield verified chunk bytes in order, fetching up to ``prefetch`` ahead; IntegrityError
+        for a chunk whose bytes are not as many as its ``ChunkRef`` says."""
 
         def get_one(digest: Digest) -> bytes | memoryview:
             with self._read_slots:
                 return self.objects.get_chunk(digest)
 
-        pending: deque[Future[bytes | memoryview]] = deque()
+        def sized(ref: ChunkRef, future: Future[bytes | memoryview]) -> bytes | memoryview:
+            # The bytes hash right, but a manifest that lists them with another size would have
+            # a reader return more (or less) than the file or tensor it declares.
+            data = future.result()
+            if len(data) != ref.size:
+                raise IntegrityError(
+                    f"chunk {ref.digest} has {len(data)} bytes, manifest says {ref.size}"
+                )
+            return data
+
+        pending: deque[tuple[ChunkRef, Future[bytes | memoryview]]] = deque()
         previous: tuple[Digest, Future[bytes | memoryview]] | None = None
         for ref in chunks:
             # A run of one chunk (zeros, or a hostile list naming it a million times) reads once.
             if previous is None or previous[0] != ref.digest:
                 previous = (ref.digest, self.pool.submit(get_one, ref.digest))
-            pending.append(previous[1])
+            pending.append((ref, previous[1]))
             if len(pending) >= prefetch:
-                yield pending.popleft().result()
+                yield sized(*pending.popleft())
         while pending:
-            yield pending.popleft().result()
+            yield sized(*pending.popleft())
 
     def close(self) -> None:
         """Stop the pool."""

@@ -40,9 +40,11 @@ class ChainDecoder:
         self.blobs = blobs
         self.max_object_size = max_object_size
 
-    def decode(self, digest: Digest, blob: bytes | bytearray) -> bytes | memoryview:
+    def decode(
+        self, digest: Digest, blob: bytes | bytearray, noun: str = "chunk"
+    ) -> bytes | memoryview:
         """The decoded bytes of a stored object, unverified; a delta is rebuilt from the bottom of
-        its base chain up.
+        its base chain up. ``noun`` names the object in errors (a manifest is decoded here too).
 
         The chain is walked by headers first (``base_chain``), refusing loops, chains deeper
         than MAX_DELTA_DEPTH and bases of another size, so nothing is decompressed for a chain
@@ -61,7 +63,7 @@ class ChainDecoder:
                 del base_blob  # only the decoded base is needed from here up
             return decode_level(envelope, blob, below)
         except FormatError as e:
-            raise IntegrityError(f"chunk {digest} is corrupt: {e}") from e
+            raise IntegrityError(f"{noun} {digest} is corrupt: {e}") from e
 
     def decode_into(self, digest: Digest, blob: bytes | bytearray, out: memoryview) -> None:
         """``decode`` straight into ``out``, unverified: the bottom of the chain is decoded into

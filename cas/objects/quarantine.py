@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from cas.blobstore.base import BlobStore
 from cas.digest import Digest
 from cas.errors import CASError, FormatError, IntegrityError, NotFound, PreconditionFailed
+from cas.model.bounded import load_record_json
 from cas.objects.keys import ObjectKind, object_key
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class Quarantine:
             if not info.key.endswith(RECORD_SUFFIX):
                 continue
             try:
-                doc = json.loads(self.blobs.get(info.key))
+                doc = load_record_json(self.blobs.get(info.key), f"quarantine record {info.key}")
                 record = QuarantineRecord(
                     **{**doc, "key": info.key.removesuffix(RECORD_SUFFIX) + BLOB_SUFFIX}
                 )

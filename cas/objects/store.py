@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from cas.blobstore.base import BlobStore
+from cas.blobstore.base import BlobStore, open_local_blob
 from cas.blobstore.bulk import DEFAULT_WORKERS, read_into
 from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of, digest_of_parts
@@ -451,7 +451,7 @@ class ObjectStore:
             missing = NotFound(f"manifest {digest} is missing from the store")
             raise self._missing(ObjectKind.MANIFEST, digest, missing) from e
         try:
-            decoded = bytes(self.chains.decode(digest, blob))
+            decoded = bytes(self.chains.decode(digest, blob, "manifest"))
             if digest_of(decoded) != digest:
                 raise IntegrityError(
                     f"manifest {digest} is corrupt: its bytes hash to something else"
@@ -470,9 +470,9 @@ class ObjectStore:
         if path is None:
             return None
         try:
-            with path.open("rb") as f:
+            with open(open_local_blob(path, chunk_key(digest)), "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except FileNotFoundError as e:
+        except NotFound as e:
             missing = NotFound(f"chunk {digest} is missing from the store")
             raise self._missing(ObjectKind.CHUNK, digest, missing) from e
         if len(mapped) != HEADER_SIZE + size or mapped[5] != RAW_CODEC_ID:

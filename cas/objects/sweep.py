@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cas.blobstore.base import BlobStore
 from cas.blobstore.local import TMP_DIR, disk_errors
+from cas.blobstore.tempfiles import dead_files, remove_dead
 from cas.digest import Digest
 from cas.errors import NotFound
 from cas.objects.keys import ObjectKind, object_key, parse_object_key
@@ -109,11 +110,13 @@ class Sweeper:
         return SweepOutcome(kind, digest, "deleted", info.size)
 
     def stale_tmp(self, cutoff: float) -> list[tuple[str, int]]:
-        """Temp files older than the cutoff (only local stores have them)."""
+        """Temp files older than the cutoff, and those of writers certainly gone whatever their
+        age (only local stores have them)."""
         return []
 
     def remove_tmp(self, names: Iterable[str], cutoff: float) -> tuple[int, int]:
-        """Delete those temp files that are still old; return count and bytes."""
+        """Delete those temp files that are still old or still a gone writer's; return count and
+        bytes."""
         return 0, 0
 
 
@@ -210,10 +213,13 @@ class LocalSweeper(Sweeper):
                     st = entry.stat()
                     if st.st_mtime < cutoff:
                         stale.append((entry.name, st.st_size))
-        return stale
+        # A writer certainly gone (its lock is free) left these: stale whatever their age.
+        return stale + dead_files(self.root / TMP_DIR)
 
     def remove_tmp(self, names: Iterable[str], cutoff: float) -> tuple[int, int]:
-        count = size = 0
+        names = list(names)
+        with disk_errors("deleting temp files in", self.root / TMP_DIR):
+            count, size = remove_dead(self.root / TMP_DIR, names)
         for name in names:
             if not _TMP_NAME_RE.fullmatch(name):
                 continue

@@ -34,6 +34,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from cas.blobstore.base import BlobStore, Version
 from cas.errors import CASError, FormatError, LeaseExpired, NotFound
+from cas.model.bounded import load_record_json
 from cas.names import RefName
 from cas.refs import fences
 from cas.refs.liveness import process_gone
@@ -437,9 +438,7 @@ def _parse_lease(
     key: str, data: bytes, version: Version, mtime: float, default_duration: float
 ) -> LeaseRecord:
     try:
-        if len(data) > MAX_LEASE_BLOB:
-            raise ValueError("too large")
-        doc = json.loads(data)
+        doc = load_record_json(data, f"lease {key!r}", MAX_LEASE_BLOB)
         if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT:
             raise ValueError("not a lease")
         return LeaseRecord(
@@ -453,7 +452,7 @@ def _parse_lease(
             version,
             commits=tuple(str(ref) for ref in doc.get("commits", ())),
         )
-    except (ValueError, KeyError, TypeError):
+    except (FormatError, ValueError, KeyError, TypeError):
         return LeaseRecord(
             key,
             key[len(LEASES_PREFIX) :],

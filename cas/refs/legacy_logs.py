@@ -17,10 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import msgpack
-
 from cas.blobstore.base import BlobStore
 from cas.errors import FormatError, NotFound
+from cas.model.bounded import unpack_bounded
 from cas.model.manifest import Manifest, TensorEntry
 from cas.objects.store import ObjectStore
 
@@ -70,10 +69,7 @@ def _entry_bytes(entry: TensorEntry, objects: ObjectStore) -> bytes:
 
 
 def _decode_history_segment(data: bytes) -> list[Any]:
-    try:
-        records = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise FormatError(f"training history segment is not valid msgpack: {e}") from e
+    records = unpack_bounded(data, "training history segment", max_depth=64)
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise FormatError("training history segment is not a list of records")
     return records

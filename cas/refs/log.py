@@ -31,6 +31,7 @@ import msgpack
 from cas.codecs import codec_by_name
 from cas.digest import Digest
 from cas.errors import CASError, FormatError
+from cas.model.bounded import unpack_bounded
 from cas.model.manifest import ChunkRef, FileEntry, Manifest, decode_manifest, encode_manifest
 from cas.names import RefName, parse_ref_name
 from cas.refs import legacy_logs, segments
@@ -48,6 +49,8 @@ SEGMENT_BYTES = 4 << 20
 """Sealing cuts the tail into segments of about this size (a larger record gets one alone)."""
 MAX_RECORD_BYTES = 16 << 20
 MAX_SEGMENT_BYTES = 64 << 20
+MAX_RECORD_NESTING = 64
+"""msgpack levels a segment may nest: its map, its record list, and the records themselves."""
 """Reading refuses a segment whose bytes exceed this, whatever its head claims."""
 ABSORBED_KEY = "jsonl_absorbed"
 """Head meta: the log holds the records an older layout kept as JSON-lines blobs."""
@@ -210,10 +213,7 @@ class AppendLog:
             data = self.objects.get_chunk(digest)
         except CASError as e:
             raise type(e)(f"{where}: {e}") from e
-        try:
-            doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        except Exception as e:
-            raise FormatError(f"{where} is not valid msgpack: {e}") from e
+        doc = unpack_bounded(bytes(data), where, max_depth=MAX_RECORD_NESTING)
         if not isinstance(doc, dict) or doc.get("format") != SEGMENT_FORMAT:
             raise FormatError(f"{where} is not an append-log segment")
         if doc.get("version") != SEGMENT_VERSION:

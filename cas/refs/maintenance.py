@@ -13,7 +13,6 @@ CLI never touch the blobs that hold them.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -25,7 +24,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore, Version
-from cas.errors import BackendError, CASError, LockHeld, NotFound, PreconditionFailed
+from cas.errors import (
+    BackendError,
+    CASError,
+    FormatError,
+    LockHeld,
+    NotFound,
+    PreconditionFailed,
+)
+from cas.model.bounded import load_record_json
 from cas.refs import fences
 from cas.refs.fences import FenceEntry
 from cas.refs.leases import (
@@ -85,7 +92,7 @@ class LeaseStatus:
 def parse_lock(data: bytes) -> LockHolder | None:
     """The holder a lock blob names, or None when it is unreadable."""
     try:
-        doc = json.loads(data)
+        doc = load_record_json(data, "maintenance lock")
         return LockHolder(
             str(doc.get("operation", "?")),
             str(doc["holder"]),
@@ -93,7 +100,7 @@ def parse_lock(data: bytes) -> LockHolder | None:
             str(doc.get("host", "")),
             int(doc.get("pid", 0)),
         )
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (FormatError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

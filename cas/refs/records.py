@@ -15,6 +15,7 @@ import msgpack
 from cas.blobstore.base import Version
 from cas.digest import Digest, parse_digest
 from cas.errors import CASError, FormatError, NotFound
+from cas.model.bounded import unpack_bounded
 from cas.names import RefName, parse_ref_name
 from cas.refs import segments
 from cas.refs.keys import is_hashed_key, name_in_key, ref_key
@@ -27,6 +28,13 @@ REF_VERSION_SEALED = 2
 REF_VERSION_FENCE = 3
 """A fence record: GC fenced a dead writer's commit of a ref that did not exist; read as absent."""
 MAX_REF_BLOB = 16 << 20
+MAX_RECORD_NESTING = 8
+"""msgpack levels a ref record nests: its map, the history list, an event, a writer."""
+MAX_STORED_HISTORY = 12_000
+"""The most events a reader takes from one record. A writer keeps fewer than 10,128
+(``cas.refs.store.MAX_HISTORY`` and two segments' worth); of a record listing more (a sealed
+segment listed again and again, or older history than a writer keeps), the repeats and the oldest
+events past this are left out, and ``RefRecord.ignored_history`` counts them."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,9 @@ class RefRecord:
     legacy_key: str | None = field(default=None, compare=False)
     """Set when the record was read from the key an older cas gave a long name
     (``cas.refs.keys.legacy_key``); the next update moves it to its current key."""
+    ignored_history: int = field(default=0, compare=False)
+    """Events the stored record lists that reading left out (``MAX_STORED_HISTORY``); the next
+    update writes the record without them."""
 
     @property
     def depth(self) -> int:
@@ -186,26 +197,40 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
     if len(data) > MAX_REF_BLOB:
         raise FormatError(f"ref {name!r} is larger than {MAX_REF_BLOB} bytes")
     try:
-        doc: Any = msgpack.unpackb(data, raw=False)
+        try:
+            doc: Any = _unpack(data, "its record")
+        except FormatError as e:
+            raise FormatError(f"ref {name!r} is corrupt: {e}") from None
         if not isinstance(doc, dict) or doc.get("format") != REF_FORMAT:
             raise FormatError(f"ref {name!r} is not a cas ref")
         if doc.get("version") == REF_VERSION_FENCE and "target" not in doc:
             raise _fence(name, doc, version)
         if doc.get("version") not in (REF_VERSION, REF_VERSION_SEALED):
             raise FormatError(f"ref {name!r} has unsupported version {doc.get('version')!r}")
-        history, damaged = _readable_events(doc["history"])
+        raw_history = doc["history"]
+        if not isinstance(raw_history, list):
+            raise FormatError(f"history is a {type(raw_history).__name__}, not a list")
+        kept = raw_history[-MAX_STORED_HISTORY:]
+        history, damaged = _readable_events(kept)
         earlier = doc.get("damaged", [])
         if not isinstance(earlier, list):
             raise FormatError("its damaged history entries are not a list")
         damaged += tuple(_still_damaged(raw) for raw in earlier)
-        sealed = tuple(
-            SealedHistory(parse_digest(d), _count(n), float(until))
-            for d, n, until in doc.get("sealed", ())
+        sealed, ignored_sealed = _newest_sealed(
+            doc.get("sealed", ()), MAX_STORED_HISTORY - len(kept)
         )
         if not history:
             raise FormatError(f"ref {name!r} has no history")
         target = parse_digest(doc["target"])
-        return RefRecord(name, target, history, version, sealed, damaged)
+        return RefRecord(
+            name,
+            target,
+            history,
+            version,
+            sealed,
+            damaged,
+            ignored_history=len(raw_history) - len(kept) + ignored_sealed,
+        )
     except (FormatError, FencedRef):
         raise
     except Exception as e:
@@ -215,8 +240,8 @@ def decode_ref(name: RefName, data: bytes, version: Version | None) -> RefRecord
 def read_fence(data: bytes, version: Version | None) -> FencedRef | None:
     """The fence a ref blob holds, or None when it holds none (a ref, or something damaged)."""
     try:
-        doc: Any = msgpack.unpackb(data, raw=False)
-    except Exception:
+        doc: Any = _unpack(data, "ref record")
+    except FormatError:
         return None
     if (
         not isinstance(doc, dict)
@@ -251,6 +276,33 @@ def _fenced_writers(raw: Any) -> tuple[FencedWriter, ...]:
     return writers or (UNKNOWN_WRITER,)
 
 
+def _newest_sealed(raw: Any, room: int) -> tuple[tuple[SealedHistory, ...], int]:
+    """The sealed segments a record lists, oldest first, each once and newest first up to
+    ``room`` events; and how many events the ones left out hold (each repeat counted)."""
+    kept: list[SealedHistory] = []
+    seen: set[Any] = set()
+    ignored = 0
+    for d, n, until in reversed(raw):
+        if d in seen or room <= 0:
+            ignored += n if isinstance(n, int) and n > 0 else 0
+            continue
+        segment = SealedHistory(parse_digest(d), _count(n), float(until))
+        if segment.count > room:
+            ignored += segment.count
+            room = 0
+            continue
+        seen.add(d)
+        room -= segment.count
+        kept.append(segment)
+    return tuple(reversed(kept)), ignored
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    """A record's msgpack, decoded within the memory its size allows (``cas.model.bounded``);
+    a sealed segment listed again and again is one list."""
+    return unpack_bounded(data, what, max_depth=MAX_RECORD_NESTING, share=str)
+
+
 def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise FormatError(f"bad sealed segment size {value!r}")
@@ -264,8 +316,10 @@ def decode_stored(key: str, data: bytes, version: Version | None) -> RefRecord:
     if len(data) > MAX_REF_BLOB:
         raise FormatError(f"ref blob {key!r} is larger than {MAX_REF_BLOB} bytes")
     try:
-        doc: Any = msgpack.unpackb(data, raw=False)
+        doc: Any = _unpack(data, "its record")
         name = parse_ref_name(doc["name"])
+    except (FormatError, KeyError, TypeError) as e:
+        raise FormatError(f"ref blob {key!r} is corrupt: {e}") from None
     except CASError:
         raise
     except Exception as e:

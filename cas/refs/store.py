@@ -384,7 +384,7 @@ class RefStore:
         else:
             version = self.blobs.put_conditional(ref_key(record.name), encode_ref(record), expected)
         self._changed()
-        return self._remember(replace(record, version=version))
+        return self._remember(replace(record, version=version, ignored_history=0))
 
     def _missing(self, record: RefRecord) -> list[str]:
         """Objects ``record`` names (target manifest, its chunks, sealed history) that are gone."""

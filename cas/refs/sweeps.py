@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cas.blobstore.base import BlobStore, Version
-from cas.errors import CASError, LeaseExpired, LockHeld, NotFound, PreconditionFailed
+from cas.errors import (
+    CASError,
+    FormatError,
+    LeaseExpired,
+    LockHeld,
+    NotFound,
+    PreconditionFailed,
+)
+from cas.model.bounded import load_record_json
 from cas.refs.liveness import process_gone
 
 SWEEP_KEY = "state/gc-sweep"
@@ -79,7 +87,7 @@ def read_sweep(blobs: BlobStore) -> SweepState:
     except NotFound:
         return IDLE
     try:
-        doc = json.loads(data)
+        doc = load_record_json(data, "sweep record")
         return SweepState(
             version,
             doc["state"] == "sweeping",
@@ -87,7 +95,7 @@ def read_sweep(blobs: BlobStore) -> SweepState:
             str(doc.get("host", "")),
             int(doc.get("pid", 0)),
         )
-    except (ValueError, KeyError, TypeError):
+    except (FormatError, ValueError, KeyError, TypeError):
         return SweepState(version, True, blobs.stat(SWEEP_KEY).mtime + SWEEP_WINDOW)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from cas.blobstore.base import BlobStore
 from cas.errors import FormatError, NotFound
+from cas.model.bounded import load_record_json
 from cas.objects.chunking import DEFAULT_CDC_AVG, DEFAULT_CHUNK_SIZE
 
 CONFIG_KEY = "config"
@@ -61,10 +62,7 @@ class StoreConfig:
     @classmethod
     def from_json(cls, data: bytes) -> StoreConfig:
         """Parse a config blob; another format or an unknown version is a clear FormatError."""
-        try:
-            doc = json.loads(data)
-        except ValueError as e:
-            raise FormatError(f"store config is not valid JSON: {e}") from e
+        doc = load_record_json(data, "store config")
         if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
             raise FormatError("not a cas store (config has no 'format': 'cas-store')")
         version = doc.get("version")

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from cas.blobstore.base import file_kind
 from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
 from cas.errors import FormatError, InvalidName, NotFound
@@ -74,7 +75,15 @@ def ingest_path(
         files = [(source.name, source, layout)]
         kind = "file"
     else:
-        raise NotFound(f"no such file or directory: {source}")
+        try:
+            mode = os.stat(source).st_mode
+        except FileNotFoundError:
+            raise NotFound(f"no such file or directory: {source}") from None
+        except OSError as e:
+            raise NotFound(f"cannot read {source}: {e.strerror}") from e
+        raise FormatError(
+            f"{source}: {file_kind(mode)}, not a regular file or directory (cas stores only those)"
+        )
     for rel, _, _ in files:  # refuse before any chunk is written
         try:
             check_relative_path(rel)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from cas.digest import Digest
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
+from cas.model.bounded import load_record_json
 from cas.model.manifest import Manifest, decode_manifest
 from cas.objects.chunkio import Progress
 from cas.refs.listing import list_refs
@@ -254,9 +255,9 @@ def _rehash(stores: Stores, digest: Digest) -> int | str:
 
 def _sample_start(stores: Stores) -> float:
     try:
-        doc = json.loads(stores.maintenance.read_state(SAMPLE_STATE) or b"{}")
+        doc = load_record_json(stores.maintenance.read_state(SAMPLE_STATE) or b"{}", "sample")
         return float(doc.get("next_start", 0.0)) % 100.0
-    except (ValueError, TypeError, AttributeError):
+    except (FormatError, ValueError, TypeError, AttributeError):
         return 0.0
 
 
