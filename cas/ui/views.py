@@ -155,6 +155,8 @@ def _names(repo: Repository, snapshots: Snapshots) -> Names:
     return value
 
 
+TIERS_SECTION = "tiers"
+"""The store config section where a manager with ``remote=`` notes its remote tier."""
 REMOTES_SECTION = "remotes"
 """The store config section naming its remotes (``cas remote add``): ``{name: {url, endpoint_url}}``."""
 
@@ -162,7 +164,12 @@ REMOTES_SECTION = "remotes"
 def remote_tiers(repo: Repository, snapshots: Snapshots) -> dict[str, dict[str, Any]]:
     """Each remote the store names: where its runs' ``latest`` pointers stand (a snapshot per
     remote, refreshed as the others are), or why it could not be read."""
-    section = repo.config.extra.get(REMOTES_SECTION) or {}
+    section = dict(repo.config.extra.get(REMOTES_SECTION) or {})
+    drained = repo.config.extra.get(TIERS_SECTION)  # the manager's remote tier (remote=)
+    known = {t.get("url") for t in section.values() if isinstance(t, dict)}
+    remote = drained.get("remote") if isinstance(drained, dict) else None
+    if isinstance(remote, str) and remote not in known:
+        section.setdefault("tier", {"url": remote})
     out = {}
     for name, table in sorted(section.items()):
         if not isinstance(table, dict) or not isinstance(table.get("url"), str):
