@@ -51,6 +51,11 @@ class LeaseExpired(CASError):
     """A writer's lease ran out before its commit; the commit was aborted."""
 
 
+class ClockSkew(CASError):
+    """This host's offset to the storage's clock cannot be measured, or not closely enough for
+    the lease margin; nothing was written under a lease or lock that would rely on it."""
+
+
 class LockHeld(CASError):
     """Another maintenance run (``cas forget``, ``cas gc``) holds the store's lock; nothing changed."""
 

@@ -28,6 +28,19 @@ if [ -e /dev/fuse ] && ! ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2'; the
         echo "setup: libfuse is missing (apt-get install fuse3 libfuse2); the mount tests will skip (fail with CI=true)" >&2
     fi
 fi
+# The liveness tests set a writer's clock minutes off with libfaketime (Debian package `faketime`).
+# As root on a Debian-like machine, install it; elsewhere those tests skip and say why (fail, with
+# CI=true). They also run a writer in a new PID namespace (`unshare`, util-linux), as root only.
+if ! compgen -G "/usr/lib/*/faketime/libfaketimeMT.so.1" >/dev/null && ! [ -e /usr/lib/faketime/libfaketimeMT.so.1 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq faketime >/dev/null 2>&1 ||
+            { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq faketime >/dev/null 2>&1; } ||
+            echo "setup: could not install faketime; the skewed-clock tests will skip (fail with CI=true)" >&2
+    else
+        echo "setup: libfaketime is missing (apt-get install faketime); the skewed-clock tests will skip (fail with CI=true)" >&2
+    fi
+fi
 # `cas ui`'s tests drive Debian's headless Chromium through Playwright (the Python package is in the
 # dev extra; it downloads no browser of its own). As root on Debian, install it; elsewhere those
 # tests skip and say why (fail, with CI=true).

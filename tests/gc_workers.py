@@ -24,15 +24,18 @@ def state(*seeds: int) -> dict[str, Any]:
     return {f"t{i}": tensor(s, 2 * CHUNK) for i, s in enumerate(seeds)}
 
 
-def writer_loop(store: str, writer: int, seconds: float) -> dict[str, Any]:
+def writer_loop(
+    store: str, writer: int, seconds: float, clock_offset: float = 0.0
+) -> dict[str, Any]:
     """Save ``w<writer>/ckpt_N`` until time is up, removing all but the newest two.
 
     Before removing a checkpoint it re-reads it: a checkpoint whose save reported success must
     have every chunk for as long as its ref exists. A save refused with LeaseExpired reported
-    nothing and is counted apart. Returns the saves and any problem found.
+    nothing and is counted apart. ``clock_offset`` sets the writer's clock that far off (a host
+    whose clock is wrong). Returns the saves and any problem found.
     """
     local: dict[str, Any] = {} if "://" in store else {"fsync": False}
-    repo = cas.open(store, create=False, **local)
+    repo = cas.open(store, create=False, clock=lambda: time.time() + clock_offset, **local)
     rng = random.Random(writer)
     saved: list[tuple[str, list[int]]] = []
     problems: list[str] = []
@@ -62,8 +65,9 @@ def writer_loop(store: str, writer: int, seconds: float) -> dict[str, Any]:
 
 if __name__ == "__main__":
     store_arg, writer_arg, seconds_arg, out_arg = sys.argv[1:5]
+    offset_arg = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     try:
-        result = writer_loop(store_arg, int(writer_arg), float(seconds_arg))
+        result = writer_loop(store_arg, int(writer_arg), float(seconds_arg), offset_arg)
     except Exception:
         result = {"saved": [], "problems": [traceback.format_exc()]}
     Path(out_arg).write_text(json.dumps(result))

@@ -96,6 +96,14 @@ def main(argv: list[str]) -> None:
         _announce(deletes.started, "sweeping")
         cas.Repository(deletes, repo.config).plan_gc(GCSettings(grace=0, reflog_window=0)).execute()
         print("done", flush=True)
+    elif role == "hold-lease":  # a writer with its lease taken: ``held``, until stdin closes
+        with repo.lease("save"):
+            print("held", flush=True)
+            sys.stdin.read()
+    elif role == "hold-both":  # a writer's lease and GC's lock held: ``held``, until stdin closes
+        with repo.lease("save"), repo.maintenance.lock("gc"):
+            print("held", flush=True)
+            sys.stdin.read()
     elif role == "declare":  # a writer about to move a ref: ``declared``, then it waits
         with repo.lease("save"):
             repo.leases.declare(argv[2])

@@ -435,14 +435,15 @@ def test_two_maintenance_runs_never_interleave(tmp_path: Path) -> None:
     repo = local_repo(tmp_path, clock)
     repo.save(ckpt_state(0), "r/a")
     policy = RetentionPolicy(rules=(Rule("r/*", keep_last=1),))
-    with MaintenanceLock(repo.blobs, clock, operation="gc"):
+    storage_time = repo.maintenance.storage.now  # a lock is written in the storage's time
+    with MaintenanceLock(repo.blobs, storage_time, operation="gc"):
         with pytest.raises(LockHeld, match="gc by"):
             repo.forget(policy)
         with pytest.raises(LockHeld):
             repo.plan_gc(NO_GRACE)
     repo.forget(policy)  # released
-    MaintenanceLock(repo.blobs, clock, duration=60).acquire()
-    clock.advance(61)  # its holder died: once expired the lock is taken over
+    # A run took the lock 61 s ago on the storage's clock and died: once expired, it is taken over.
+    MaintenanceLock(repo.blobs, lambda: storage_time() - 61, duration=60).acquire()
     repo.forget(policy)
     assert CliRunner().invoke(cli, ["--store", str(tmp_path), "leases"]).output.endswith("free\n")
 

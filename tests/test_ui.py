@@ -149,6 +149,9 @@ def test_runs_page_lists_both_runs_with_their_state(page: Any, server: UIServer)
     assert rows["runs/alpha"][1] == "running"
     assert rows["runs/beta"][1] == "completed"
     assert rows["runs/alpha"][2] == str(ui_store.STEPS)
+    assert rows["runs/beta"][-1] == "same"  # the remote tier's latest is the local one
+    assert rows["runs/alpha"][-1] == "absent"
+    assert "Remote tiers: archive" in page.inner_text("main")
 
 
 def test_run_page_draws_the_loss_curve_with_a_marker_per_checkpoint(

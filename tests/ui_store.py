@@ -1,4 +1,5 @@
-"""A store for ``cas ui``'s tests: two runs with history, a gate, a pool, a policy, a hostile ref.
+"""A store for ``cas ui``'s tests: two runs with history, a gate, a pool, a policy, a remote tier
+(``archive``, a second store that holds beta but not alpha) and markup in names and metadata.
 
 Built with the real manager, pool and retention policy, so the pages show what a user's store
 holds; ``HOSTILE_META`` (a metric name and a ref message) and ``HOSTILE_KEY`` (a ref key planted in
@@ -61,6 +62,10 @@ def build(path: Path) -> cas.Repository:
                         anchor=version == 0,
                     )
     repo.cp(f"{RUNS[0]}/latest", f"{RUNS[0]}/phase1/marked", message=HOSTILE_META)
+    archive = cas.open(path.parent / f"{path.name}-archive")
+    repo.push(archive, [f"{RUNS[1]}/**"])  # beta reached the remote tier; alpha did not
+    archive.close()
+    repo.update_config("remotes", {"archive": {"url": str(path.parent / f"{path.name}-archive")}})
     repo.store_retention_policy(
         RetentionPolicy(
             rules=(Rule(select="runs/*/phase*/ckpt_*", group_by=2, keep_last=2),),

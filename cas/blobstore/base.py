@@ -243,6 +243,13 @@ class BlobStore(ABC):
         return False
 
     @property
+    def mtime_resolution(self) -> float:
+        """How far below the storage's clock at a write the mtime it reports may be, in seconds:
+        S3 counts whole seconds, the default for stores that do not say; a local file system's
+        coarse clock lags by up to a tick. Offsets to the storage's clock allow for it."""
+        return 1.0
+
+    @property
     def local_root(self) -> Path | None:
         """The directory on this machine whose files are the blobs, ``local_root / key``, or None.
 

@@ -165,6 +165,11 @@ class LocalBlobStore(BlobStore):
         self._temps.close()
 
     @property
+    def mtime_resolution(self) -> float:
+        """A file's mtime comes from the kernel's coarse clock, up to a tick (<= 10 ms) behind."""
+        return 0.01
+
+    @property
     def supports_rename(self) -> bool:
         return True
 

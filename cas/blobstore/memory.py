@@ -96,6 +96,11 @@ class MemoryBlobStore(BlobStore):
             del self._blobs[key]
 
     @property
+    def mtime_resolution(self) -> float:
+        """Exact: a blob's mtime is the store's clock at the write."""
+        return 0.0
+
+    @property
     def supports_conditional_writes(self) -> bool:
         """True: one process holds the only copy, and one lock guards it."""
         return True

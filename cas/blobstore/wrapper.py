@@ -96,6 +96,10 @@ class BlobStoreWrapper(BlobStore):
         return self.inner.supports_conditional_writes
 
     @property
+    def mtime_resolution(self) -> float:
+        return self.inner.mtime_resolution
+
+    @property
     def local_root(self) -> Path | None:
         return self.inner.local_root
 

@@ -7,7 +7,8 @@ without reading it, so GC indexes each one under ``state/fenced-refs/`` before w
 listing of names reads only the indexed keys, usually none. A fence record matters only while a
 writer it names could still write. It goes when each of them has withdrawn (a writer that finds
 its lease lost withdraws from the fences of the refs it declared when it releases the lease), is
-known dead (it ran on this host and its process is gone), or after ``FENCE_KEEP``, which no writer
+certainly dead (same host, boot and PID namespace, and its process is gone: ``cas.refs.liveness``),
+or after ``FENCE_KEEP``, which no writer
 is assumed to stay frozen between its last lease check and its ref write (docs/gc.md, "Safety").
 """
 
@@ -21,13 +22,12 @@ from cas.blobstore.base import BlobStore
 from cas.errors import CASError, NotFound, PreconditionFailed
 from cas.names import RefName
 from cas.refs.keys import REFS_PREFIX, ref_key
-from cas.refs.liveness import process_gone
 from cas.refs.records import FencedRef, encode_fence, read_fence
 
 FENCE_INDEX = "state/fenced-refs/"
 """One empty blob per fence record, named like the ref's key: what ``RefStore.names`` must read."""
 FENCE_KEEP = 7 * 86400.0
-"""A fence record whose writers' fate is unknown (they ran on other hosts) goes after this long."""
+"""A fence record whose writers' fate is unknown (they ran elsewhere) goes after this long."""
 
 
 def index_key(key: str) -> str:
@@ -55,7 +55,7 @@ class FenceEntry:
             return True
         if now - self.fence.at >= FENCE_KEEP:
             return True
-        return all(process_gone(w.host, w.pid) for w in self.fence.writers)
+        return all(w.identity().gone() for w in self.fence.writers)
 
 
 def read_fences(blobs: BlobStore) -> list[FenceEntry]:

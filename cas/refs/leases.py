@@ -12,7 +12,10 @@ chunk refreshes its mtime) has an mtime at or after ``started``. A writer whose 
 expired can no longer commit, because the writer stops committing ``margin`` seconds *before*
 expiry and GC treats a lease as live until ``margin`` seconds *after* it; ``margin`` therefore
 covers the clock skew between hosts (and the server's clock for S3 mtimes) plus the time of one
-ref compare-and-swap. See docs/gc.md ("Writer leases") for the whole protocol. The maintenance
+ref compare-and-swap. Every time in a lease is the storage's (``cas.refs.storage_clock``): a
+writer measures its offset to the storage's clock from the lease blob it just wrote, so ``margin``
+covers only what that measurement leaves. See docs/gc.md ("Writer leases", "Clocks") for the whole
+protocol. The maintenance
 lock of ``cas forget`` / ``cas gc`` is the same idea for maintenance runs (``cas.refs.maintenance``).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import socket
@@ -33,12 +37,13 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from cas.blobstore.base import BlobStore, Version
-from cas.errors import CASError, FormatError, LeaseExpired, NotFound
+from cas.errors import CASError, ClockSkew, FormatError, LeaseExpired, NotFound
 from cas.model.bounded import load_record_json
 from cas.names import RefName
 from cas.refs import fences
-from cas.refs.liveness import process_gone
+from cas.refs.liveness import UNKNOWN, ProcessIdentity, current
 from cas.refs.renewal import Renewal, start_renewal
+from cas.refs.storage_clock import StorageClock
 from cas.refs.sweeps import IDLE, SweepState, read_sweep, settle
 
 LEASES_PREFIX = "leases/"
@@ -95,8 +100,8 @@ class LeaseRecord:
 
     key: str
     writer: str
-    host: str
-    pid: int
+    who: ProcessIdentity
+    """The writer's process: host, pid, boot id, PID namespace, start time (``cas.refs.liveness``)."""
     started: float
     expires: float
     purpose: str
@@ -108,13 +113,23 @@ class LeaseRecord:
 
     def live(self, now: float, margin: float) -> bool:
         """Whether GC must still honour it at ``now`` (until ``margin`` after its expiry), and
-        its writer may still be running: a lease of a process on this host that is gone lapses
-        at once."""
+        its writer may still be running: a lease whose writer is certainly dead lapses at once."""
         return now < self.expires + margin and not self.writer_gone()
 
     def writer_gone(self) -> bool:
-        """Whether the writer is known dead: it ran on this host and its process is gone."""
-        return self.readable and process_gone(self.host, self.pid)
+        """Whether the writer is certainly dead: same host, boot and PID namespace as this
+        process, and its process is gone."""
+        return self.readable and self.who.gone()
+
+    @property
+    def host(self) -> str:
+        """The writer's host name."""
+        return self.who.host
+
+    @property
+    def pid(self) -> int:
+        """The writer's pid (in its own PID namespace)."""
+        return self.who.pid
 
 
 def writer_id() -> str:
@@ -142,12 +157,14 @@ class WriterLease:
     def __init__(
         self,
         blobs: BlobStore,
-        clock: Callable[[], float],
+        storage: StorageClock,
         settings: LeaseSettings,
         purpose: str = "write",
     ) -> None:
         self.blobs = blobs
-        self.clock = clock
+        self.storage = storage
+        self.clock = storage.now
+        """Storage time: every time this lease writes or checks is the storage's."""
         self.settings = settings
         self.purpose = purpose
         self.writer_id = writer_id()
@@ -170,8 +187,7 @@ class WriterLease:
                 "format": LEASE_FORMAT,
                 "version": 1,
                 "writer": self.writer_id,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
+                **current().fields(),
                 "started": self.started,
                 "refreshed": now,
                 "expires": now + self.settings.duration,
@@ -179,6 +195,12 @@ class WriterLease:
                 "commits": list(self.commits),
             }
         )
+
+    def _first_write(self) -> None:
+        now = self.clock()
+        self.blobs.put_transient(self.key, self._document(now))
+        self._refreshed = now
+        self.expires = now + self.settings.duration
 
     # Plain puts, not compare-and-swap: the key is unique to this writer, and a local store keeps
     # one lock file per conditionally written key forever (one per save would pile up). Transient
@@ -200,12 +222,31 @@ class WriterLease:
         self.expires = now + self.settings.duration
 
     def acquire(self) -> WriterLease:
-        """Write the lease blob, read GC's sweep record and start renewing; from now on GC spares
-        what this writer touches, and its commits can tell whether a deletion overlapped them."""
-        now = self.clock()
-        self.started = now
+        """Write the lease blob, measuring the offset to the storage's clock from it (ClockSkew
+        if that cannot be done closely enough), read GC's sweep record and start renewing; from
+        now on GC spares what this writer touches, and its commits can tell whether a deletion
+        overlapped them."""
         with self._lock:
-            self._write(now, now + self.settings.duration - self.settings.margin)
+            before = self.storage.offset
+            self.started = self.clock()
+            try:
+                self.storage.sync(self.blobs, self.key, self._first_write)
+            except ClockSkew:
+                with contextlib.suppress(CASError):
+                    self.blobs.delete(self.key)
+                raise
+            after = self.storage.offset
+            # The first write used the offset known before (none: this host's clock as is).
+            used = before.value if before is not None else 0.0
+            off = math.inf if after is None else abs(after.value - used) + after.uncertainty
+            if off > self.storage.limit:
+                # Its times may be further off the storage's than the margin allows (this
+                # host's clock is off, or was stepped): write it again in storage time before
+                # touching any object, so any GC that reads the lease after this writer's first
+                # touch sees the right times.
+                now = self.clock()
+                self.started = now
+                self._write(now, now + self.settings.duration - self.settings.margin)
         self.sweep = read_sweep(self.blobs)
         period = self.settings.duration / RENEWALS_PER_DURATION
         self._renewal = start_renewal(self, WriterLease._renew_in_background, period, "lease")
@@ -306,7 +347,10 @@ class LeaseManager:
     ) -> None:
         self.blobs = blobs
         self.clock = clock
+        """This host's clock (injected in tests)."""
         self.settings = settings
+        self.storage = StorageClock(clock, settings.margin)
+        """The storage's clock as this host knows it, shared with the maintenance service."""
         self._local = threading.local()
         self._active: weakref.WeakSet[WriterLease] = weakref.WeakSet()
 
@@ -321,7 +365,7 @@ class LeaseManager:
         and releases it."""
         if not self.settings.enabled:
             return None
-        lease = WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        lease = WriterLease(self.blobs, self.storage, self.settings, purpose).acquire()
         self._active.add(lease)
         return lease
 
@@ -356,7 +400,7 @@ class LeaseManager:
         if existing is not None or not self.settings.enabled:
             yield existing
             return
-        lease = WriterLease(self.blobs, self.clock, self.settings, purpose).acquire()
+        lease = WriterLease(self.blobs, self.storage, self.settings, purpose).acquire()
         self._active.add(lease)
         self._local.lease = lease
         try:
@@ -444,8 +488,7 @@ def _parse_lease(
         return LeaseRecord(
             key,
             str(doc["writer"]),
-            str(doc.get("host", "")),
-            int(doc.get("pid", 0)),
+            ProcessIdentity.from_doc(doc),
             float(doc["started"]),
             float(doc["expires"]),
             str(doc.get("purpose", "")),
@@ -456,8 +499,7 @@ def _parse_lease(
         return LeaseRecord(
             key,
             key[len(LEASES_PREFIX) :],
-            "",
-            0,
+            UNKNOWN,
             mtime,
             mtime + default_duration,
             "?",

@@ -4,7 +4,10 @@
 a create-only blob with an expiry, so two maintenance runs never interleave and a crashed one
 stops blocking once its lock expires (or an operator breaks it with ``cas unlock``). They read
 the writer leases (``cas.refs.leases``) to learn what is in flight, reap the leases of writers
-that died, and take "now" from the store's own clock, because object mtimes come from it.
+that died, and take "now" from the store's own clock, because object mtimes come from it: the
+lock, sweep windows and fences are written and judged in storage time too
+(``cas.refs.storage_clock``), and a holder is judged dead by its pid only where that is certain
+(``cas.refs.liveness``).
 ``MaintenanceService`` gathers these for one store, with the clock injected, and keeps the small
 documents one maintenance run leaves for the next (``state/``), so the retention layer and the
 CLI never touch the blobs that hold them.
@@ -14,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from cas.blobstore.base import BlobStore, Version
 from cas.errors import (
     BackendError,
     CASError,
+    ClockSkew,
     FormatError,
     LockHeld,
     NotFound,
@@ -44,7 +46,7 @@ from cas.refs.leases import (
     read_leases,
     writer_id,
 )
-from cas.refs.liveness import process_gone
+from cas.refs.liveness import UNKNOWN, ProcessIdentity, current
 from cas.refs.renewal import Renewal, start_renewal
 from cas.refs.sweeps import SWEEP_KEY, SweepWindows
 
@@ -53,7 +55,8 @@ LOCK_FORMAT = "cas-lock"
 LOCK_DURATION = LeaseSettings.duration
 """How long a maintenance lock lasts unless renewed, by default (``MaintenanceService`` uses the
 store's lease duration): a renewal thread renews it every quarter of that while its run lives, so
-a dead holder blocks the next run no longer than this, and one on the same host not at all."""
+a dead holder blocks the next run no longer than this, and one certainly dead (same host, boot and
+PID namespace: ``cas.refs.liveness``) not at all."""
 STATE_PREFIX = "state/"
 """Where small documents of maintenance runs live (the clock probe, the verify sampler)."""
 CLOCK_PROBE_KEY = STATE_PREFIX + "gc-clock"
@@ -68,12 +71,22 @@ class LockHolder:
     operation: str
     holder: str
     expires: float
-    host: str = ""
-    pid: int = 0
+    who: ProcessIdentity = UNKNOWN
 
     def gone(self) -> bool:
-        """Whether the holder is known dead: it ran on this host and its process is gone."""
-        return process_gone(self.host, self.pid)
+        """Whether the holder is certainly dead: same host, boot and PID namespace as this
+        process, and its process is gone (``cas.refs.liveness``)."""
+        return self.who.gone()
+
+    @property
+    def host(self) -> str:
+        """The holder's host name."""
+        return self.who.host
+
+    @property
+    def pid(self) -> int:
+        """The holder's pid (in its own PID namespace)."""
+        return self.who.pid
 
     @property
     def description(self) -> str:
@@ -97,8 +110,7 @@ def parse_lock(data: bytes) -> LockHolder | None:
             str(doc.get("operation", "?")),
             str(doc["holder"]),
             float(doc["expires"]),
-            str(doc.get("host", "")),
-            int(doc.get("pid", 0)),
+            ProcessIdentity.from_doc(doc),
         )
     except (FormatError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -141,8 +153,7 @@ class MaintenanceLock:
                 "format": LOCK_FORMAT,
                 "version": 1,
                 "holder": self.holder,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
+                **current().fields(),
                 "operation": self.operation,
                 "acquired": now,
                 "expires": now + self.duration,
@@ -253,7 +264,7 @@ class MaintenanceLock:
             return self._lost or self._failed
 
     def safe_until(self) -> float:
-        """Until when (this host's clock) no other run can have taken the lock over."""
+        """Until when (storage time) no other run can have taken the lock over."""
         with self._mutex:
             return -math.inf if self._lost else self.expires
 
@@ -301,6 +312,8 @@ class MaintenanceService:
         self.blobs = blobs
         self.clock = clock
         self.writers = writers
+        self.storage = writers.storage
+        """The storage's clock as this host knows it (shared with the writers)."""
         self._held: MaintenanceLock | None = None
 
     @property
@@ -317,8 +330,8 @@ class MaintenanceService:
         return lease.live(now, self.settings.margin)
 
     def lease_states(self, now: float | None = None) -> list[LeaseStatus]:
-        """Every lease with its liveness at ``now`` (default: this host's clock)."""
-        when = self.clock() if now is None else now
+        """Every lease with its liveness at ``now`` (default: the storage's clock)."""
+        when = self.store_time() if now is None else now
         return [LeaseStatus(lease, self.is_live(lease, when)) for lease in self.leases()]
 
     def reap(self, lease: LeaseRecord) -> bool:
@@ -342,7 +355,9 @@ class MaintenanceService:
             yield None
             return
         lasts = self.settings.duration if duration is None else duration
-        with MaintenanceLock(self.blobs, self.clock, operation=operation, duration=lasts) as held:
+        self.store_time()  # the lock's expiry is written in storage time: measure the offset
+        clock = self.storage.now
+        with MaintenanceLock(self.blobs, clock, operation=operation, duration=lasts) as held:
             outer, self._held = self._held, held
             try:
                 yield held
@@ -362,7 +377,7 @@ class MaintenanceService:
         held = self._held
         holder = held.holder if held is not None else writer_id()
         margin, duration = self.settings.margin, self.settings.duration
-        return SweepWindows(self.blobs, self.clock, holder, margin, held, duration)
+        return SweepWindows(self.blobs, self.storage.now, holder, margin, held, duration)
 
     def stale_fences(self, now: float) -> list[FenceEntry]:
         """The fence records no writer can need any more at ``now``, and stale index entries
@@ -408,12 +423,18 @@ class MaintenanceService:
 
         Object mtimes come from that clock (the kernel's coarse clock for local files, the
         server's for S3), so a cutoff taken from it is exactly comparable: anything a writer
-        touches after this probe has an mtime at or after it, whatever the host clocks say.
-        Falls back to the injected clock where the store cannot be written.
+        touches after this probe has an mtime at or after it, whatever the host clocks say. The
+        probe also measures this host's offset to that clock (``storage``), which the lock,
+        sweep windows and lease judgements use: ClockSkew if it cannot be measured closely
+        enough for the margin. Falls back to this host's clock where the store cannot be
+        written (a read-only store, which GC cannot change anyway).
         """
         try:
-            self.blobs.put(CLOCK_PROBE_KEY, b"gc")
-            return self.blobs.stat(CLOCK_PROBE_KEY).mtime
+            return self.storage.sync(
+                self.blobs, CLOCK_PROBE_KEY, lambda: self.blobs.put(CLOCK_PROBE_KEY, b"gc")
+            )
+        except ClockSkew:
+            raise
         except CASError:
             return self.clock()
 

@@ -19,6 +19,7 @@ from cas.model.bounded import unpack_bounded
 from cas.names import RefName, parse_ref_name
 from cas.refs import segments
 from cas.refs.keys import is_hashed_key, name_in_key, ref_key
+from cas.refs.liveness import ProcessIdentity
 
 REF_FORMAT = "cas-ref"
 REF_VERSION = 1
@@ -106,6 +107,18 @@ class FencedWriter:
     writer: str
     host: str
     pid: int
+    boot_id: str = ""
+    pid_ns: str = ""
+    pid_start: int = 0
+
+    @classmethod
+    def of(cls, writer: str, who: ProcessIdentity) -> FencedWriter:
+        """The fenced writer ``writer`` whose process is ``who``."""
+        return cls(writer, who.host, who.pid, who.boot_id, who.pid_ns, who.pid_start)
+
+    def identity(self) -> ProcessIdentity:
+        """Its process, to tell whether it is certainly dead (``cas.refs.liveness``)."""
+        return ProcessIdentity(self.host, self.pid, self.boot_id, self.pid_ns, self.pid_start)
 
 
 class FencedRef(NotFound):
@@ -154,7 +167,7 @@ def encode_fence(
         "version": REF_VERSION_FENCE,
         "name": name,
         "fence": token,
-        "writers": [[w.writer, w.host, w.pid] for w in writers],
+        "writers": [_pack_writer(w) for w in writers],
         "at": at,
     }
     packed: bytes = msgpack.packb(doc)
@@ -268,12 +281,28 @@ UNKNOWN_WRITER = FencedWriter("?", "", 0)
 never known to be dead, so only age removes that record."""
 
 
+def _pack_writer(w: FencedWriter) -> list[Any]:
+    # [writer, host, pid] as older versions wrote it, then what tells a live process from a dead
+    # one with certainty; a record of three reads as one never known dead by its pid.
+    base: list[Any] = [w.writer, w.host, w.pid]
+    return [*base, w.boot_id, w.pid_ns, w.pid_start] if w.boot_id and w.pid_ns else base
+
+
 def _fenced_writers(raw: Any) -> tuple[FencedWriter, ...]:
     try:
-        writers = tuple(FencedWriter(str(w), str(h), int(p)) for w, h, p in raw)
+        writers = tuple(_unpack_writer(entry) for entry in raw)
     except (TypeError, ValueError):
         return (UNKNOWN_WRITER,)
     return writers or (UNKNOWN_WRITER,)
+
+
+def _unpack_writer(entry: Any) -> FencedWriter:
+    if not isinstance(entry, (list, tuple)) or len(entry) not in (3, 6):
+        raise ValueError("not a fenced writer")
+    writer, host, pid = str(entry[0]), str(entry[1]), int(entry[2])
+    if len(entry) == 3:
+        return FencedWriter(writer, host, pid)
+    return FencedWriter(writer, host, pid, str(entry[3]), str(entry[4]), int(entry[5]))
 
 
 def _newest_sealed(raw: Any, room: int) -> tuple[tuple[SealedHistory, ...], int]:

@@ -11,8 +11,6 @@ commit, whatever the checkpoint's size.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -30,7 +28,7 @@ from cas.errors import (
     PreconditionFailed,
 )
 from cas.model.bounded import load_record_json
-from cas.refs.liveness import process_gone
+from cas.refs.liveness import UNKNOWN, ProcessIdentity, current
 
 SWEEP_KEY = "state/gc-sweep"
 SWEEP_FORMAT = "cas-gc-sweep"
@@ -49,7 +47,7 @@ class HeldLock(Protocol):
         """Why the lock may be lost (a failed renewal, a takeover), or ``""``."""
 
     def safe_until(self) -> float:
-        """Until when (this host's clock) no other run can have taken the lock over."""
+        """Until when (storage time) no other run can have taken the lock over."""
 
 
 class CollectedDuringWrite(LeaseExpired):
@@ -65,15 +63,13 @@ class SweepState:
     """None: GC never swept this store."""
     sweeping: bool
     expires: float
-    host: str = ""
-    pid: int = 0
+    """In storage time, as everything GC writes."""
+    who: ProcessIdentity = UNKNOWN
 
     def over(self, now: float, margin: float) -> bool:
-        """Whether no deletion of this batch can still happen at ``now``: idle, expired, or its
-        GC process is gone (known on its own host only)."""
-        return (
-            not self.sweeping or now >= self.expires + margin or process_gone(self.host, self.pid)
-        )
+        """Whether no deletion of this batch can still happen at ``now`` (storage time): idle,
+        expired, or its GC process is certainly gone (``cas.refs.liveness``)."""
+        return not self.sweeping or now >= self.expires + margin or self.who.gone()
 
 
 IDLE = SweepState(None, False, 0.0)
@@ -92,8 +88,7 @@ def read_sweep(blobs: BlobStore) -> SweepState:
             version,
             doc["state"] == "sweeping",
             float(doc["expires"]),
-            str(doc.get("host", "")),
-            int(doc.get("pid", 0)),
+            ProcessIdentity.from_doc(doc),
         )
     except (FormatError, ValueError, KeyError, TypeError):
         return SweepState(version, True, blobs.stat(SWEEP_KEY).mtime + SWEEP_WINDOW)
@@ -130,8 +125,7 @@ class SweepWindows:
             "version": 1,
             "state": state,
             "holder": self.holder,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+            **current().fields(),
             "batch": self.batches,
             "at": now,
             "expires": expires,

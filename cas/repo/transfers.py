@@ -1,4 +1,4 @@
-"""The Repository's transfers: push and pull refs between stores, archive them to a remote.
+"""The Repository's transfers: push and pull refs between stores, archive and drain them to a remote.
 
 ``TransferOperations`` is a base class of ``Repository``. The CLI moves checkpoints between
 stores through these named methods; ``cas.sync.transfer`` does the work on both sides' ``Stores``
@@ -7,13 +7,22 @@ and ``cas.repo.archive`` adds freeing what was archived.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+from cas.digest import Digest
 from cas.objects.recode import KEEP
 from cas.refs.stores import Stores
 from cas.repo.archive import ArchiveReport, archive
 from cas.repo.config import StoreConfig
 from cas.retention.gc import GCSettings
+from cas.sync.drain import (
+    DrainReport,
+    PendingCheckpoint,
+    TierLag,
+    drain_checkpoint,
+    pending_checkpoints,
+    tier_lag,
+)
 from cas.sync.transfer import TransferProgress, TransferReport, pull, push
 
 
@@ -76,3 +85,34 @@ class TransferOperations:
             grace=grace,
             codec=codec,
         )
+
+    def pending_on(self, remote: TransferOperations, selector: str) -> list[PendingCheckpoint]:
+        """The refs ``selector`` picks here that ``remote`` lacks or holds at another manifest,
+        oldest first (``cas.sync.drain``)."""
+        return pending_checkpoints(self.stores, remote.stores, selector)
+
+    def drain_to(
+        self,
+        remote: TransferOperations,
+        ref: str | None,
+        *,
+        latest: str | None,
+        pointers: Sequence[str] = (),
+        hold_back: Collection[Digest] = (),
+        jobs: int = 16,
+    ) -> DrainReport:
+        """Push one checkpoint ``ref`` to ``remote``, then move its ``latest`` and ``pointers``
+        there in that order, fenced by one writer lease (``cas.sync.drain``)."""
+        return drain_checkpoint(
+            self.stores,
+            remote.stores,
+            ref,
+            latest=latest,
+            pointers=pointers,
+            hold_back=hold_back,
+            jobs=jobs,
+        )
+
+    def tier_lag(self, remote: TransferOperations, selector: str) -> TierLag:
+        """How far ``remote`` is behind this store for the refs ``selector`` picks."""
+        return tier_lag(self.stores, remote.stores, selector)

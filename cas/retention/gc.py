@@ -222,7 +222,7 @@ class GCPlan:
         """Fence every ref an expired lease declared, so its writer can never publish; False if
         one was published after planning to a manifest the plan does not keep (plan again)."""
         for lease in self.expired_leases:
-            writer = (FencedWriter(lease.writer, lease.host, lease.pid),)
+            writer = (FencedWriter.of(lease.writer, lease.who),)
             for ref in lease.commits:
                 try:
                     target = self.stores.refs.fence(ref, writer, self.now)

@@ -16,7 +16,8 @@ config hash (and ``schema_version``, with which a restore migrates older states:
 complete checkpoint. A ``policy`` is a ``RetentionPolicy`` (applied with ``Repository.forget``),
 anything with ``apply(repo)`` or a callable ``policy(repo)``; it runs after each save, in the
 background. A ``mirror`` (a Repository or URL: the S3 archive) receives each gate and every move
-of ``best`` by push, so a corrupt gate can be healed from it (``cas.training.runrefs``).
+of ``best`` by push, so a corrupt gate can be healed from it (``cas.training.runrefs``). A
+``remote`` is a second tier every save drains to in the background (``cas.training.tiers``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from cas.training.runrefs import RunRefs, open_mirror
 from cas.training.saves import PendingSave, PreparedSave, SaveResult, retention_note, user_metadata
 from cas.training.schema import Migration, SchemaMismatch, UserSchema
 from cas.training.signals import SignalTriggers
+from cas.training.tiers import CLOSE_WAIT, RemoteTier, explain_full_disk
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +105,9 @@ class CheckpointManager(RunRefs):
         best: tuple[str, str] | None = None,
         policy: Any = None,
         mirror: Repository | str | None = None,
+        remote: Repository | str | None = None,
+        remote_policy: RetentionPolicy | None = None,
+        remote_queue: int = 8,
         config: Any = None,
         system_hash: str | None = None,
         schema_version: int | None = None,
@@ -138,6 +143,9 @@ class CheckpointManager(RunRefs):
         self.run = run_prefix(run if run is not None else new_run_id(seed, clock))
         self.run_id = self.run.rsplit("/", 1)[-1]
         self.history = TrainingHistory(repo, layout.history.format(run=self.run))
+        self.tier = RemoteTier.of_run(
+            repo, remote, layout, self.run, phase, remote_policy, remote_queue
+        )
         self._pending_records: list[HistoryRecord] = []
         self._records_lock = threading.Lock()
         self._stager = Stager()
@@ -252,17 +260,9 @@ class CheckpointManager(RunRefs):
         }
         with self._records_lock:
             records, self._pending_records = self._pending_records, []
-        records.append(
-            {
-                "step": previous.step,
-                "event": "save",
-                "ref": previous.ref,
-                "trigger": "final",
-                "status": "completed",
-                "metrics": plain_metrics,
-                "same_state_as": previous.digest,
-            }
-        )
+        records.append({"step": previous.step, "event": "save", "ref": previous.ref,
+                        "trigger": "final", "status": "completed", "metrics": plain_metrics,
+                        "same_state_as": previous.digest})  # fmt: skip
         prepared = PreparedSave(
             {},
             meta,
@@ -329,16 +329,8 @@ class CheckpointManager(RunRefs):
             ref = self.checkpoint_ref(step, phase)
             with self._records_lock:
                 records, self._pending_records = self._pending_records, []
-            records.append(
-                {
-                    "step": step,
-                    "event": "save",
-                    "ref": ref,
-                    "trigger": trigger,
-                    "status": status,
-                    "metrics": plain_metrics,
-                }
-            )
+            records.append({"step": step, "event": "save", "ref": ref, "trigger": trigger,
+                            "status": status, "metrics": plain_metrics})  # fmt: skip
             meta = {**user, **self._meta(step, phase, trigger, status, plain_metrics)}
             prepared = PreparedSave(tree, meta, ref, step, phase, trigger, status, records, staging)
             prepared.blocking = time.perf_counter() - start
@@ -367,16 +359,10 @@ class CheckpointManager(RunRefs):
         self, step: int, phase: int, trigger: str, status: str, metrics: dict[str, Any]
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "cas_checkpoint": CHECKPOINT_SCHEMA,
-            "run": self.run_id,
-            "phase": phase,
-            "step": step,
-            "trigger": trigger,
-            "status": status,
-            "metrics": metrics,
-            "seed": self.seed,
+            "cas_checkpoint": CHECKPOINT_SCHEMA, "run": self.run_id, "phase": phase, "step": step,
+            "trigger": trigger, "status": status, "metrics": metrics, "seed": self.seed,
             "saved_at": self.clock(),
-        }
+        }  # fmt: skip
         meta.update(resume_meta(self.config_hash, self.config, self.system_hash))
         meta.update(self.schema.meta())
         if self._retention_note is not None:  # the policy fell behind after an earlier save
@@ -386,7 +372,7 @@ class CheckpointManager(RunRefs):
     def _write(self, prepared: PreparedSave) -> SaveResult:
         # One writer lease for the checkpoint, the history append and the pointer refs: a lease
         # is a durable file write and delete, and holding one per commit doubled them per save.
-        with self._write_repo.lease("checkpoint"):
+        with self._write_repo.lease("checkpoint"), explain_full_disk(self.tier):
             return self._write_leased(prepared)
 
     def _write_leased(self, prepared: PreparedSave) -> SaveResult:
@@ -454,6 +440,7 @@ class CheckpointManager(RunRefs):
             retention_error,
             mirror_error,
             damaged,
+            self.tier.notify(prepared.ref, prepared.meta["saved_at"], new) if self.tier else None,
         )
         self._last_result = result
         return result
@@ -461,7 +448,8 @@ class CheckpointManager(RunRefs):
     def _apply_policy(self) -> tuple[str, ...]:
         """Run the policy; the damaged refs it kept (a RetentionPolicy's, which reports them)."""
         if isinstance(self.policy, RetentionPolicy):
-            return tuple(d.ref for d in self.repo.forget(self.policy).damaged)
+            forget = self.tier.apply_local_policy if self.tier is not None else self.repo.forget
+            return tuple(d.ref for d in forget(self.policy).damaged)
         apply = getattr(self.policy, "apply", None)
         (apply or self.policy)(self.repo)
         return ()
@@ -491,6 +479,8 @@ class CheckpointManager(RunRefs):
                 records, self._pending_records = self._pending_records, []
             if records:
                 self.history.append(records)
+            if self.tier is not None:
+                self.tier.close(CLOSE_WAIT)  # what is left, the next run's drain pushes
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -528,6 +518,8 @@ class CheckpointManager(RunRefs):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.wait()
         self._latest_known = self.latest_ref
+        if self.tier is not None and source is None and mode != "fresh":
+            self.tier.pull_newer()  # a later checkpoint on the remote: this node is new
         self._latest_target = self._read_target(self.latest_ref)
         if mode == "auto":
             mode = "resume" if source is not None or self._latest_target is not None else "fresh"
@@ -559,6 +551,7 @@ class CheckpointManager(RunRefs):
             with_rng=mode != "warm_start",
             check=check,
             fallback=source is None,
+            heal=self.tier.heal if self.tier is not None else None,
         )
         return self._restored(mode, found, template)
 

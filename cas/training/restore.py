@@ -116,11 +116,13 @@ def load_first_good(
     with_rng: bool,
     check: Callable[[str, Mapping[str, Any]], None] | None,
     fallback: bool,
+    heal: Callable[[str, Digest], bool] | None = None,
 ) -> Found:
     """Load the first candidate that passes ``check`` and verification.
 
     ``check`` errors (a config mismatch) are raised at once, never skipped. With ``fallback``
-    false the first candidate's failure is raised as it is.
+    false the first candidate's failure is raised as it is. ``heal(ref, digest)`` (a remote
+    tier's) may restore a candidate that failed; it is then loaded once more.
     """
     skipped: list[Skipped] = []
     newest: tuple[str, tuple[int, int]] | None = None
@@ -136,7 +138,7 @@ def load_first_good(
                 newest = (ref, position)
             if check is not None:
                 check(ref, stored_meta)
-            tree, meta = load_checkpoint(repo, digest, keys, map_location, with_rng=with_rng)
+            tree, meta = _load_healing(repo, ref, digest, keys, map_location, with_rng, heal)
         except NothingSelected:
             raise  # a typo in keys=, not a damaged checkpoint: an older one would not help
         except (IntegrityError, NotFound, FormatError) as e:
@@ -150,6 +152,24 @@ def load_first_good(
         raise NotFound("there is no checkpoint to load")
     tried = "; ".join(f"{s.ref}: {s.reason}" for s in skipped)
     raise IntegrityError(f"every checkpoint failed verification: {tried}")
+
+
+def _load_healing(
+    repo: Repository,
+    ref: str,
+    digest: Digest,
+    keys: str | Sequence[str] | None,
+    map_location: str | torch.device | None,
+    with_rng: bool,
+    heal: Callable[[str, Digest], bool] | None,
+) -> tuple[Any, dict[str, Any]]:
+    try:
+        return load_checkpoint(repo, digest, keys, map_location, with_rng=with_rng)
+    except (IntegrityError, NotFound) as e:
+        if heal is None or not heal(ref, digest):
+            raise
+        log.warning("checkpoint %s failed verification (%s); healed it from the remote", ref, e)
+        return load_checkpoint(repo, digest, keys, map_location, with_rng=with_rng)
 
 
 def _position(meta: Mapping[str, Any]) -> tuple[int, int] | None:

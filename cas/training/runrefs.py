@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from cas.training.pool import OpponentPool
+    from cas.training.tiers import RemoteTier
 
 log = logging.getLogger("cas.training.manager")
 
@@ -51,6 +52,8 @@ class RunRefs:
     mirror: Repository | None = None
     """A second store (an S3 archive...) that gates and ``best`` are pushed to on promotion,
     so ``cas verify --full --repair-from`` there can heal them."""
+    tier: RemoteTier | None = None
+    """The remote tier (``cas.training.tiers``) every save drains to."""
     schema: UserSchema
     best: tuple[str, str] | None
     _write_repo: Repository
@@ -126,7 +129,10 @@ class RunRefs:
         return digest
 
     def _mirror(self, ref: str) -> None:
-        """Push ``ref`` (its missing chunks, then the ref) to the mirror store, if there is one."""
+        """Push ``ref`` (its missing chunks, then the ref) to the mirror store, if there is one;
+        wake the remote tier's drain, which pushes it too."""
+        if self.tier is not None:
+            self.tier.wake()
         if self.mirror is not None:
             self.repo.push(self.mirror, [ref])
 

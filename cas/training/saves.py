@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas.digest import Digest
+from cas.sync.drain import TierLag
 from cas.training.async_save import StagingSet
 from cas.training.history import HistoryRecord, plain_record
 
@@ -35,6 +36,9 @@ class SaveResult:
     retention_damaged: tuple[str, ...] = ()
     """Refs the retention policy kept after this save because they cannot be read (damaged
     record or manifest): outside its count, never removed; ``cas repair`` or ``cas rm``."""
+
+    remote_lag: TierLag | None = None
+    """With a remote tier: the saves (this one included) and bytes not yet there, and since when."""
 
     @property
     def retention_ran(self) -> bool:

@@ -93,8 +93,13 @@ def document(title: str, store: str, body: str, active: str = "") -> str:
 def runs_page(data: dict[str, Any]) -> str:
     """The list of runs."""
     rows = []
+    remotes = data.get("remotes", {})
     for run in data["runs"]:
         latest = run.get("latest") or {}
+        tiers = [
+            f'<span class="tier {escape(state)}">{escape(state)}</span>'
+            for state in (run["tiers"].get(name, "") for name in remotes)
+        ]
         rows.append(
             [
                 link("/run", run["run"], name=run["run"]),
@@ -104,19 +109,35 @@ def runs_page(data: dict[str, Any]) -> str:
                 str(run["checkpoints"]),
                 str(run["gates"]),
                 escape(when(latest.get("created_at"))),
+                *tiers,
             ]
         )
     if not rows:
         return '<p class="empty">No runs: no <code>.../latest</code> or <code>.../history</code> ref.</p>'
     return (
         f"<p>{data['total']} runs, {data['refs']} refs.</p>"
+        + _remotes_line(remotes)
         + table(
-            ["run", "status", "step", "latest metrics", "checkpoints", "gates", "latest saved"],
+            ["run", "status", "step", "latest metrics", "checkpoints", "gates", "latest saved"]
+            + [f"latest on {name}" for name in remotes],
             rows,
             "runs",
         )
         + pager("/", data)
     )
+
+
+def _remotes_line(remotes: dict[str, Any]) -> str:
+    """The remote tiers the store names, and any that could not be read."""
+    if not remotes:
+        return ""
+    parts = []
+    for name, tier in remotes.items():
+        text = f"{escape(name)} ({escape(tier['url'])})"
+        if tier.get("error"):
+            text += f' <span class="bad">cannot be read: {escape(tier["error"])}</span>'
+        parts.append(text)
+    return "<p>Remote tiers: " + "; ".join(parts) + _as_of(next(iter(remotes.values()))) + "</p>"
 
 
 def run_page(data: dict[str, Any]) -> str:

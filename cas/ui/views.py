@@ -12,6 +12,7 @@ gates (``.../gates/...``), its history, and opponent pools (``.../opponent_pool/
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -154,9 +155,60 @@ def _names(repo: Repository, snapshots: Snapshots) -> Names:
     return value
 
 
+TIERS_SECTION = "tiers"
+"""The store config section where a manager with ``remote=`` notes its remote tier."""
+REMOTES_SECTION = "remotes"
+"""The store config section naming its remotes (``cas remote add``): ``{name: {url, endpoint_url}}``."""
+
+
+def remote_tiers(repo: Repository, snapshots: Snapshots) -> dict[str, dict[str, Any]]:
+    """Each remote the store names: where its runs' ``latest`` pointers stand (a snapshot per
+    remote, refreshed as the others are), or why it could not be read."""
+    section = dict(repo.config.extra.get(REMOTES_SECTION) or {})
+    drained = repo.config.extra.get(TIERS_SECTION)  # the manager's remote tier (remote=)
+    known = {t.get("url") for t in section.values() if isinstance(t, dict)}
+    remote = drained.get("remote") if isinstance(drained, dict) else None
+    if isinstance(remote, str) and remote not in known:
+        section.setdefault("tier", {"url": remote})
+    out = {}
+    for name, table in sorted(section.items()):
+        if not isinstance(table, dict) or not isinstance(table.get("url"), str):
+            continue
+        snapshot = snapshots.get(f"remote:{name}", functools.partial(_remote_latest, table))
+        out[name] = {"url": table["url"], **snapshot.value, "as_of": snapshot.computed_at}
+    return out
+
+
+def _remote_latest(table: dict[str, Any]) -> dict[str, Any]:
+    """The targets of a remote's ``.../latest`` refs, read through a read-only handle."""
+    from cas.repo.opening import open as open_store
+
+    options = {"endpoint_url": table["endpoint_url"]} if table.get("endpoint_url") else {}
+    try:
+        remote = open_store(table["url"], create=False, readonly=True, **options)
+    except CASError as e:
+        return {"error": str(e), "latest": {}}
+    try:
+        listing = remote.list_refs("**/latest")
+        return {"latest": {str(r.name): str(r.target) for r in listing.records}}
+    except CASError as e:
+        return {"error": str(e), "latest": {}}
+    finally:
+        remote.close()
+
+
+def tier_state(local_target: str | None, remote_target: str | None) -> str:
+    """``same`` (the remote's latest is the local one), ``behind`` or ``absent``."""
+    if remote_target is None:
+        return "absent"
+    return "same" if remote_target == local_target else "behind"
+
+
 def runs_index(repo: Repository, snapshots: Snapshots, page: int = 1) -> dict[str, Any]:
-    """Every run, a page at a time: its latest checkpoint, status and checkpoint count."""
+    """Every run, a page at a time: its latest checkpoint, status and checkpoint count, and
+    where each remote tier's ``latest`` of it stands."""
     names, runs, grouped = _names(repo, snapshots)
+    tiers = remote_tiers(repo, snapshots)
     at = Page.of(page, RUNS_PER_PAGE, len(runs))
     rows = []
     for run in at.take(runs):
@@ -171,9 +223,14 @@ def runs_index(repo: Repository, snapshots: Snapshots, page: int = 1) -> dict[st
                 "has_history": f"{run}/history" in grouped[run],
                 "status": run_state(summary),
                 "latest": summary or None,
+                "tiers": {
+                    remote: tier_state(summary.get("manifest"), tier["latest"].get(latest))
+                    for remote, tier in tiers.items()
+                },
             }
         )
-    return {"refs": len(names), "runs": rows, **at.to_dict()}
+    remotes = {name: {k: v for k, v in t.items() if k != "latest"} for name, t in tiers.items()}
+    return {"refs": len(names), "runs": rows, "remotes": remotes, **at.to_dict()}
 
 
 def run_state(latest: dict[str, Any]) -> str:

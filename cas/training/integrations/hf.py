@@ -24,19 +24,26 @@ The Trainer reads a checkpoint only from a local directory (``os.path.isfile`` o
 fsspec), so ``resume_dir`` writes the stored checkpoint back as ``<output_dir>/checkpoint-N/``;
 with ``keep_local=False`` that directory is deleted again once the Trainer has read it (after the
 first step: RNG states are read then).
+
+With ``remote=`` (a Repository or URL) and ``remote_policy=``, each stored checkpoint also drains
+to that remote tier in the background (``cas.training.tiers``, as ``CheckpointManager(remote=...)``);
+``on_train_end`` lets it catch up.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from cas.digest import Digest
+from cas.retention.policy import RetentionPolicy
 from cas.training.async_save import AsyncWriter
+from cas.training.tiers import CLOSE_WAIT, RemoteTier
 
 if TYPE_CHECKING:
     from cas.repo.repository import Repository
@@ -68,8 +75,16 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         *,
         async_ingest: bool = False,
         keep_local: bool = True,
+        remote: Repository | str | None = None,
+        remote_policy: RetentionPolicy | None = None,
+        remote_queue: int = 8,
     ) -> None:
         self.repo = repo
+        self.remote = remote
+        self.remote_policy = remote_policy
+        self.remote_queue = remote_queue
+        self.tier: RemoteTier | None = None
+        """With ``remote``: the remote tier each checkpoint drains to, from the first save on."""
         self.prefix = prefix
         self.keep_local = keep_local
         self.stored: list[tuple[int, str, Digest]] = []
@@ -99,6 +114,7 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         ref = f"{prefix}/ckpt_step{step:08d}"
         meta = {"step": step, "epoch": state.epoch, "source": "transformers",
                 "best_metric": state.best_metric, "metrics": _metrics_at(state, step)}  # fmt: skip
+        tier = self._tier(prefix)
 
         def ingest(_: None) -> Digest:
             # The run owns its step refs and latest: a Trainer resumed from an earlier
@@ -107,6 +123,8 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
                 directory, ref, meta, allow_opaque_pickles=True, overwrite=True
             )
             self.repo.set_ref(f"{prefix}/latest", digest, op="save", message=ref, overwrite=True)
+            if tier is not None:
+                tier.notify(ref, time.time(), self.repo.last_write.new_bytes)
             self.stored.append((step, ref, digest))
             self._stored_dirs.append(directory)
             return digest
@@ -116,6 +134,16 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             self._remove_stored(args, state)
         else:
             self._writer.submit(lambda: None, ingest)
+
+    def _tier(self, prefix: str) -> RemoteTier | None:
+        """The remote tier of ``prefix``, started at the first save (the prefix needs ``args``)."""
+        if self.tier is None and self.remote is not None:
+            self.tier = RemoteTier(
+                self.repo, self.remote, checkpoints=f"{prefix}/ckpt_step*",
+                latest=f"{prefix}/latest", policy=self.remote_policy,
+                max_pending=self.remote_queue,
+            )  # fmt: skip
+        return self.tier
 
     def on_train_begin(
         self,
@@ -171,6 +199,9 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         Trainer has loaded it by now)."""
         self.wait()
         self._remove_stored(args, state, ending=True)
+        if self.tier is not None:
+            self.tier.close(CLOSE_WAIT)  # what is left, the next run's drain pushes
+            self.tier = None
 
     def _remove_stored(
         self, args: TrainingArguments, state: TrainerState, *, ending: bool = False

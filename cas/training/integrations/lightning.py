@@ -6,8 +6,11 @@ writes (``ModelCheckpoint``, ``trainer.save_checkpoint``) to ``repo.save`` inste
 (``/ckpts/epoch=0-step=10.ckpt`` -> ``runs/exp1/epoch=0-step=10.ckpt``), tensors are chunked and
 deduplicated, nothing is pickled, and ``<prefix>/latest`` follows the newest save. Loading
 (``trainer.fit(ckpt_path=...)``) and removal (``save_top_k`` pruning) map paths to refs the same
-way. A checkpoint value cas cannot store without pickle (an arbitrary object in
-``hyper_parameters``) is a ``FormatError`` naming its path; keep hyperparameters plain.
+way. With ``remote=`` (a Repository or URL) and ``remote_policy=``, every save also drains to
+that remote tier in the background, as ``CheckpointManager(remote=...)`` does
+(``cas.training.tiers``); ``teardown`` lets it catch up. A checkpoint value cas cannot store
+without pickle (an arbitrary object in ``hyper_parameters``) is a ``FormatError`` naming its
+path; keep hyperparameters plain.
 
 ``fit(ckpt_path="last")`` and re-runs. Lightning finds "last" by listing the checkpoint
 callback's ``dirpath`` and then checking each candidate on the filesystem its path names. Neither
@@ -29,6 +32,7 @@ import contextlib
 import functools
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
@@ -40,6 +44,8 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.utilities import rank_zero_warn
 
 from cas.errors import NotFound
+from cas.retention.policy import RetentionPolicy
+from cas.training.tiers import CLOSE_WAIT, RemoteTier
 
 if TYPE_CHECKING:
     from cas.repo.repository import Repository
@@ -50,9 +56,24 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._@+=,-]")
 class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
     """Checkpoint paths are refs ``<prefix>/<file name>`` in ``repo``."""
 
-    def __init__(self, repo: Repository, prefix: str = "runs/lightning") -> None:
+    def __init__(
+        self,
+        repo: Repository,
+        prefix: str = "runs/lightning",
+        *,
+        remote: Repository | str | None = None,
+        remote_policy: RetentionPolicy | None = None,
+        remote_queue: int = 8,
+    ) -> None:
         self.repo = repo
         self.prefix = prefix.rstrip("/")
+        self.tier: RemoteTier | None = None
+        """With ``remote``: the remote tier each save drains to (``cas.training.tiers``)."""
+        if remote is not None:
+            self.tier = RemoteTier(
+                repo, remote, checkpoints=f"{self.prefix}/*.ckpt", latest=f"{self.prefix}/latest",
+                policy=remote_policy, max_pending=remote_queue,
+            )  # fmt: skip
 
     def ref_for(self, path: str | os.PathLike[str]) -> str:
         """The ref a checkpoint path is stored under."""
@@ -85,6 +106,8 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         meta = {k: v for k, v in meta.items() if v is not None}
         digest = self.repo.save(checkpoint, ref, meta, overwrite=pointer)
         self.repo.set_ref(f"{self.prefix}/latest", digest, op="save", message=ref, overwrite=True)
+        if self.tier is not None:
+            self.tier.notify(ref, time.time(), self.repo.last_write.new_bytes)
 
     def load_checkpoint(
         self,
@@ -103,9 +126,18 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         return loaded
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete the ref of ``path`` (its chunks go when GC finds them unreferenced)."""
+        """Delete the ref of ``path`` (its chunks go when GC finds them unreferenced); with a
+        remote tier, one the remote policy keeps is deleted once it has reached the remote."""
+        ref = self.ref_for(path)
+        if self.tier is not None and self.tier.remove_after_drain(ref):
+            return
         with contextlib.suppress(NotFound):
-            self.repo.rm(self.ref_for(path))
+            self.repo.rm(ref)
+
+    def teardown(self) -> None:
+        """Stop the remote tier's drain after letting it catch up (up to ``CLOSE_WAIT``)."""
+        if self.tier is not None:
+            self.tier.close(CLOSE_WAIT)
 
 
 # -- Lightning's "last" and its file-exists check, answered from the store -------------------------

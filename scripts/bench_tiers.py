@@ -1,0 +1,391 @@
+"""Benchmark: the remote tier (``CheckpointManager(remote=...)``) against its peers, on one S3.
+
+Starts its own SeaweedFS (``cas.testing.seaweed``) and measures, every peer in the same run, on a
+small GPT-shaped model (token embedding, pre-norm transformer blocks, LM head) trained on CPU:
+
+1. ``stall``: the loop's time per window of ``every`` steps that starts with a save, for the
+   manager without a remote, the manager with the remote tier on S3, and DCP ``async_save`` to
+   the same S3 through fsspec (s3fs), windows interleaved with windows without a save. Target:
+   ``tiered / local <= 1.05``, and cas with the remote tier stalls no more than DCP. Each window
+   waits for its own save's local commit (cas) or upload (DCP): that is when each is durable in
+   the tier it writes; cas's drain to S3 runs on into the next windows.
+2. ``bytes``: a fine-tune with a frozen backbone (a classifier trained on the frozen model's
+   features: only it and its optimizer state change): bytes the drain sends per checkpoint
+   against the full checkpoint size (what copying every checkpoint sends). Target: <= 0.15.
+3. ``throughput``: draining one checkpoint of new bytes against boto3's managed parallel upload
+   (``upload_fileobj`` with ``TransferConfig``) of the same bytes. Target: >= 0.9x.
+4. ``resume``: from process start on an empty machine to the first training step, against a
+   boto3 download of the same checkpoint as one ``.pt`` plus ``torch.load``; and with the frozen
+   base already cached in the local store.
+
+    .venv/bin/python scripts/bench_tiers.py [--quick] [--out bench-results/tiers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cas
+from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer, find_weed
+from cas.training.manager import CheckpointManager
+
+BUCKET = "bench"
+
+
+class GPT(torch.nn.Module):
+    """A small decoder-only transformer: what a language-model checkpoint holds."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Parameter(torch.zeros(context, width))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(
+                width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.head(self.features(tokens))
+        return logits
+
+
+SIZES = {
+    "full": {"vocab": 2048, "width": 128, "layers": 2, "heads": 4, "context": 32, "batch": 4},
+    "quick": {"vocab": 256, "width": 32, "layers": 1, "heads": 2, "context": 16, "batch": 2},
+}
+
+
+class Loop:
+    """A model, its optimizer and one batch: ``step()`` is a training step."""
+
+    def __init__(self, size: dict[str, int], *, frozen_backbone: bool = False) -> None:
+        torch.manual_seed(0)
+        self.size = size
+        self.model = GPT(size["vocab"], size["width"], size["layers"], size["heads"],
+                         size["context"])  # fmt: skip
+        self.task: torch.nn.Module | None = None
+        if frozen_backbone:  # a classifier trained on the frozen pretrained model's features
+            self.model.requires_grad_(False)
+            self.task = torch.nn.Linear(size["width"], 16)
+            self.model.add_module("task", self.task)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=1e-3)
+        self.tokens = torch.randint(0, size["vocab"], (size["batch"], size["context"]))
+        self.labels = torch.randint(0, 16, (size["batch"],))
+
+    def step(self) -> None:
+        loss: Any
+        if self.task is not None:
+            pooled = self.model.features(self.tokens).mean(dim=1)
+            loss = torch.nn.functional.cross_entropy(self.task(pooled), self.labels)
+        else:
+            logits = self.model(self.tokens)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), self.tokens[:, 1:].reshape(-1)
+            )
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+
+def start_seaweed(root: Path) -> SeaweedServer:
+    weed = find_weed()
+    if weed is None:
+        raise SystemExit("bench_tiers needs the SeaweedFS `weed` binary on PATH")
+    server = SeaweedServer(root / "seaweed", weed=weed)
+    server.start()
+    server.make_bucket(BUCKET)
+    os.environ.update(
+        AWS_ENDPOINT_URL=server.endpoint_url, AWS_ACCESS_KEY_ID=DUMMY_ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=DUMMY_SECRET_KEY, AWS_DEFAULT_REGION=REGION,
+        FSSPEC_S3_ENDPOINT_URL=server.endpoint_url, FSSPEC_S3_KEY=DUMMY_ACCESS_KEY,
+        FSSPEC_S3_SECRET=DUMMY_SECRET_KEY,
+    )  # fmt: skip
+    return server
+
+
+def s3_url(name: str) -> str:
+    return f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+# -- 1. stall ----------------------------------------------------------------------------------
+
+
+class ManagerSaver:
+    def __init__(self, root: Path, remote: str | None) -> None:
+        self.repo = cas.open(root)
+        self.mgr = CheckpointManager(self.repo, run="bench", signals=False, remote=remote)
+        self.pending: Any = None
+
+    def start(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        self.pending = self.mgr.save(step, state)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+class DCPS3Saver:
+    """``torch.distributed.checkpoint.async_save`` to S3 through fsspec, one process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.pending: Any = None
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+
+    def start(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+
+        writer = FsspecWriter(f"{self.url}/step_{step}")
+        response = async_save(state(), storage_writer=writer, no_dist=True)
+        self.pending = (
+            response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+        )
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def close(self) -> None:
+        self.wait()
+
+
+def stall(size: dict[str, int], root: Path, every: int, rounds: int) -> dict[str, Any]:
+    loop = Loop(size)
+    savers: dict[str, Any] = {
+        "cas_local_only": ManagerSaver(root / "stall-local", None),
+        "cas_remote_tier": ManagerSaver(root / "stall-tiered", s3_url("stall")),
+        "dcp_async_save_s3": DCPS3Saver(s3_url("dcp")),
+    }
+    counter = [0]
+
+    def window(saver: Any) -> float:
+        start = time.perf_counter()
+        if saver is not None:
+            counter[0] += 1
+            saver.start(counter[0], loop.state)
+        for _ in range(every):
+            loop.step()
+        if saver is not None:
+            saver.wait()
+        return time.perf_counter() - start
+
+    kinds: list[str | None] = [None, *savers]
+    for kind in kinds:  # warm-up
+        window(savers[kind] if kind else None)
+    times: dict[str | None, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+            times[kind].append(window(savers[kind] if kind else None))
+    tier = savers["cas_remote_tier"].mgr.tier
+    lag = tier.wait(300)
+    for saver in savers.values():
+        saver.close()
+    base = statistics.median(times[None])
+    rows: dict[str, Any] = {"rounds": rounds, "every": every, "window_ms": 1000 * base}
+    for name in savers:
+        median = statistics.median(times[name])
+        rows[name] = {"window_ms": 1000 * median, "stall_ms": 1000 * (median - base)}
+    local, tiered = (statistics.median(times[k]) for k in ("cas_local_only", "cas_remote_tier"))
+    rows["tiered_over_local"] = tiered / local
+    rows["tiered_at_or_below_dcp"] = tiered <= statistics.median(times["dcp_async_save_s3"])
+    rows["drain_left_behind"] = lag.saves
+    rows["checkpoint_bytes"] = (
+        savers["cas_remote_tier"].repo.manifest("runs/bench/latest").logical_bytes()
+    )
+    return rows
+
+
+# -- 2. bytes per checkpoint of a frozen-backbone fine-tune, and 4. resume -------------------------
+
+
+def finetune(size: dict[str, int], root: Path, saves: int, steps: int) -> dict[str, Any]:
+    loop = Loop(size, frozen_backbone=True)
+    url = s3_url("finetune")
+    repo = cas.open(root / "finetune")
+    sent, full = [], []
+    with CheckpointManager(repo, run="ft", signals=False, remote=url) as mgr:
+        assert mgr.tier is not None
+        for n in range(1, saves + 1):
+            for _ in range(steps):
+                loop.step()
+            before = mgr.tier.sent_bytes
+            result = mgr.save(n * steps, loop.state).result()
+            mgr.tier.wait(300)
+            sent.append(mgr.tier.sent_bytes - before)
+            full.append(result.logical_bytes)
+    later = [s / f for s, f in zip(sent[1:], full[1:], strict=True)]
+    rows: dict[str, Any] = {
+        "checkpoint_bytes": full[-1],
+        "first_checkpoint_sent_bytes": sent[0],
+        "later_checkpoint_sent_bytes_median": statistics.median(sent[1:]),
+        "sent_over_full": statistics.median(later),
+    }
+    rows["resume"] = resume(loop, url, root)
+    return rows
+
+
+def resume(loop: Loop, url: str, root: Path) -> dict[str, Any]:
+    """First training step on a new machine: from the remote tier (empty local store, and with
+    the frozen base cached), against boto3 downloading one .pt and torch.load."""
+    import boto3
+
+    client = boto3.client("s3")
+    blob = io.BytesIO()
+    torch.save(loop.state(), blob)
+    key = f"pt-{uuid.uuid4().hex[:8]}/latest.pt"
+    client.put_object(Bucket=BUCKET, Key=key, Body=blob.getvalue())
+    base = {k: v for k, v in loop.model.state_dict().items() if not k.startswith("task.")}
+
+    def from_cas(cached: bool) -> float:
+        store = Path(tempfile.mkdtemp(dir=root))
+        if cached:
+            cas.open(store).save({"base": base}, "models/base")
+        start = time.perf_counter()
+        with CheckpointManager(cas.open(store), run="ft", signals=False, remote=url) as mgr:
+            restored = mgr.restore("auto")
+            loop.model.load_state_dict(restored.state["model"])
+            loop.opt.load_state_dict(restored.state["optimizer"])
+            loop.step()
+            elapsed = time.perf_counter() - start
+            assert mgr.tier is not None
+            mgr.tier.close(0)
+        return elapsed
+
+    def from_pt() -> float:
+        start = time.perf_counter()
+        buffer = io.BytesIO()
+        client.download_fileobj(BUCKET, key, buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        loop.model.load_state_dict(state["model"])
+        loop.opt.load_state_dict(state["optimizer"])
+        loop.step()
+        return time.perf_counter() - start
+
+    runs: dict[str, list[float]] = {
+        "cas_empty_machine_s": [],
+        "cas_base_cached_s": [],
+        "boto3_pt_torch_load_s": [],
+    }
+    for _ in range(3):
+        runs["cas_empty_machine_s"].append(from_cas(False))
+        runs["cas_base_cached_s"].append(from_cas(True))
+        runs["boto3_pt_torch_load_s"].append(from_pt())
+    rows: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
+    rows["pt_bytes"] = len(blob.getvalue())
+    rows["empty_over_boto3"] = rows["cas_empty_machine_s"] / rows["boto3_pt_torch_load_s"]
+    rows["cached_over_boto3"] = rows["cas_base_cached_s"] / rows["boto3_pt_torch_load_s"]
+    return rows
+
+
+# -- 3. drain throughput ---------------------------------------------------------------------------
+
+
+def throughput(root: Path, megabytes: int, repeats: int) -> dict[str, Any]:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto3.client("s3")
+    config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20,
+                            max_concurrency=16)  # fmt: skip
+    local = cas.open(root / "throughput")
+    cas_s, boto_s = [], []
+    nbytes = megabytes << 20
+    for r in range(repeats):
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(r))  # fmt: skip
+        local.save({"w": data}, f"runs/tp/ckpt_{r}")
+        remote = cas.open(s3_url("tp"))
+        start = time.perf_counter()
+        local.drain_to(remote, f"runs/tp/ckpt_{r}", latest=None)
+        cas_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        client.upload_fileobj(io.BytesIO(data.numpy().tobytes()), BUCKET,
+                              f"tp-{uuid.uuid4().hex[:8]}", Config=config)  # fmt: skip
+        boto_s.append(time.perf_counter() - start)
+    cas_mbps = megabytes / statistics.median(cas_s)
+    boto_mbps = megabytes / statistics.median(boto_s)
+    return {
+        "megabytes": megabytes,
+        "cas_drain_MBps": cas_mbps,
+        "boto3_upload_fileobj_MBps": boto_mbps,
+        "cas_over_boto3": cas_mbps / boto_mbps,
+    }
+
+
+def run(quick: bool, root: Path) -> dict[str, Any]:
+    size = SIZES["quick" if quick else "full"]
+    environment = dict(os.environ)
+    server = start_seaweed(root)
+    try:
+        results: dict[str, Any] = {
+            "note": "one run on a shared, noisy 2-core machine; SeaweedFS on the same host",
+            "model": size,
+            "stall": stall(size, root, every=5 if quick else 10, rounds=2 if quick else 5),
+            "bytes": finetune(size, root, saves=3 if quick else 5, steps=2 if quick else 3),
+            "throughput": throughput(root, 2 if quick else 32, 1 if quick else 2),
+        }
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(environment)  # the endpoint settings were this run's only
+    results["targets"] = {
+        "stall_tiered_over_local_le_1_05": results["stall"]["tiered_over_local"] <= 1.05,
+        "stall_tiered_at_or_below_dcp": results["stall"]["tiered_at_or_below_dcp"],
+        "bytes_sent_over_full_le_0_15": results["bytes"]["sent_over_full"] <= 0.15,
+        "drain_over_boto3_ge_0_9": results["throughput"]["cas_over_boto3"] >= 0.9,
+        "resume_empty_le_boto3": results["bytes"]["resume"]["empty_over_boto3"] <= 1.0,
+    }
+    return results
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--out", default="bench-results/tiers.json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cas-bench-tiers-") as tmp:
+        results = run(args.quick, Path(tmp))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
