@@ -102,7 +102,7 @@ def assert_nothing_half_published(root: Path, fault: Fault | None = None) -> Non
     report = cas.open(root).verify(level="full")
     assert report.ok, report.problems
     if fault is not None and fault.struck == "unlink":
-        for leftover in (root / "tmp").glob("*.tmp"):
+        for leftover in (root / "tmp").rglob("*.tmp"):
             leftover.unlink()
     assert_no_partial_objects(root)
 

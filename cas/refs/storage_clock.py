@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore
-from cas.errors import CASError, ClockSkew
+from cas.errors import BackendError, CASError, ClockSkew
 
 TRIES = 5
 """Measurements a sync makes (narrowing each time) before it refuses for a wide uncertainty."""
@@ -86,6 +86,8 @@ class StorageClock:
             after = self.host_clock()
             try:
                 mtime = blobs.stat(key).mtime
+            except BackendError:
+                raise  # a failing storage, not a clock: the caller handles it as any I/O error
             except CASError as e:
                 raise ClockSkew(
                     f"the storage's clock cannot be read (stat of {key} after writing it: {e}); "
