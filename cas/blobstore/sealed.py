@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from cas.blobstore.base import (
     joined,
     parts_of,
 )
+from cas.blobstore.bulk import read_into
 from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.errors import FormatError, IntegrityError
 
@@ -53,6 +55,8 @@ CLEAR_KEYS = ("config",)
 CLEAR_PREFIXES = ("keys/",)
 """Blobs a reader needs before it has the key: the store's settings and its wrapped keys."""
 OBJECT_ROOTS = ("chunks/", "manifests/")
+MAX_SCRATCH = (64 << 20) + (64 << 10)
+"""The largest sealed blob read through a thread's reusable buffer (a full-size chunk)."""
 _OBJECT_KEY = re.compile(r"(chunks|manifests)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
 NAME_CONTEXT = "cas 2026-11-28 object names"
 PAYLOAD_CONTEXT = "cas 2026-11-28 payloads"
@@ -83,6 +87,7 @@ class SealedBlobStore(BlobStoreWrapper):
 
     def __init__(self, inner: BlobStore, key: StoreKey) -> None:
         super().__init__(inner)
+        self._local = threading.local()
         self._payload_key = key.subkey(PAYLOAD_CONTEXT)
         self._aead = AESGCM(self._payload_key)
         self._names = Cipher(algorithms.AES(key.subkey(NAME_CONTEXT)), modes.ECB())
@@ -124,22 +129,21 @@ class SealedBlobStore(BlobStoreWrapper):
         nonce = os.urandom(NONCE_SIZE)
         encryptor = Cipher(algorithms.AES(self._payload_key), modes.GCM(nonce)).encryptor()
         encryptor.authenticate_additional_data(key.encode())
-        out = bytearray(sum(len(memoryview(p).cast("B")) for p in parts) + 15)
-        view, at = memoryview(out), 0
+        view, at = self._scratch(sum(len(memoryview(p).cast("B")) for p in parts) + 15), 0
         for part in parts:
             at += encryptor.update_into(memoryview(part).cast("B"), view[at:])
         encryptor.finalize()
         return [MAGIC + bytes([SEAL_VERSION]) + nonce, view[:at], encryptor.tag]
 
-    def unseal(self, key: str, blob: bytes) -> bytes:
+    def unseal(self, key: str, blob: bytes | memoryview) -> bytes:
         """The plaintext of a sealed blob; IntegrityError when it is not one or was altered."""
         if self._clear(key):
-            return blob
-        if len(blob) < OVERHEAD or blob[: len(MAGIC)] != MAGIC:
+            return bytes(blob)
+        if len(blob) < OVERHEAD or bytes(blob[: len(MAGIC)]) != MAGIC:
             raise IntegrityError(f"{key} in {self.url} is not sealed with this store's key")
         if blob[len(MAGIC)] != SEAL_VERSION:
             raise FormatError(f"{key} in {self.url}: unknown seal version {blob[len(MAGIC)]}")
-        nonce = blob[len(MAGIC) + 1 : HEADER_SIZE]
+        nonce = bytes(blob[len(MAGIC) + 1 : HEADER_SIZE])
         try:
             return self._aead.decrypt(nonce, memoryview(blob)[HEADER_SIZE:], key.encode())
         except InvalidTag as e:
@@ -149,8 +153,28 @@ class SealedBlobStore(BlobStoreWrapper):
 
     # -- BlobStore ----------------------------------------------------------------------------
 
+    def _scratch(self, size: int) -> memoryview:
+        """This thread's buffer of at least ``size`` bytes, kept for its next blob.
+
+        Ciphertext only passes through it: a put hands it to the store below, which has
+        written it when the call returns, and a read decrypts out of it into new bytes. Fresh
+        memory for every chunk would cost page faults worth more than the AES itself.
+        """
+        buffer: bytearray | None = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < size:
+            buffer = bytearray(max(size, 2 * len(buffer or b"")))
+            self._local.buffer = buffer
+        return memoryview(buffer)
+
     def get(self, key: str) -> bytes:
-        return self.unseal(key, self.inner.get(self.stored_key(key)))
+        stored = self.stored_key(key)
+        path = None if self._clear(key) else self.inner.local_path(stored)
+        if path is not None and (size := _file_size(path)) is not None and size <= MAX_SCRATCH:
+            view = self._scratch(size + 1)
+            got = read_into(self.inner, stored, 0, [view[: size + 1]])
+            if got <= size:  # the whole blob (one that grew meanwhile is read the plain way)
+                return self.unseal(key, view[:got])
+        return self.unseal(key, self.inner.get(stored))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.get(key)[start:end]  # a tag covers the whole blob: read it whole
@@ -215,3 +239,12 @@ class SealedBlobStore(BlobStoreWrapper):
     @property
     def supports_rename(self) -> bool:
         return False
+
+
+def _file_size(path: Path) -> int | None:
+    """The size of a local blob's file, or None when it cannot be stat'ed (then the store's
+    own ``get`` says why)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
