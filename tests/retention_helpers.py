@@ -15,6 +15,7 @@ import cas
 from cas.blobstore import MemoryBlobStore
 from cas.blobstore.base import BlobStore, BytesLike
 from cas.blobstore.wrapper import BlobStoreWrapper
+from cas.digest import Digest, digest_of
 from cas.refs.renewal import THREAD_PREFIX
 from cas.repo.config import StoreConfig
 from cas.repo.repository import Repository
@@ -103,6 +104,24 @@ def tensor(seed: int, nbytes: int) -> torch.Tensor:
     """A float32 tensor of ``nbytes`` whose content depends only on ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(nbytes // 4, generator=generator)
+
+
+CHUNK = 4096
+"""The chunk size of the GC tests' stores: ``state`` makes two chunks per tensor."""
+
+
+def state(*seeds: int) -> dict[str, Any]:
+    """One 2-chunk tensor per seed."""
+    return {f"t{s}": tensor(s, 2 * CHUNK) for s in seeds}
+
+
+def chunks_of(*seeds: int) -> set[Digest]:
+    """The chunk digests ``state(*seeds)`` is stored as, computed independently of cas."""
+    out: set[Digest] = set()
+    for s in seeds:
+        data = tensor(s, 2 * CHUNK).numpy().tobytes()
+        out |= {digest_of(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)}
+    return out
 
 
 def chunk_digests(repo: Repository) -> set[str]:

@@ -24,7 +24,6 @@ from cas.blobstore import LocalBlobStore, MemoryBlobStore, ReadOnlyBlobStore
 from cas.blobstore.retry import RetryingBlobStore
 from cas.cli import cli
 from cas.codecs import codec_by_name
-from cas.digest import Digest, digest_of
 from cas.errors import FormatError, LeaseExpired, NotFound, RefConflict
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.model.state import encode_state
@@ -36,31 +35,19 @@ from cas.retention.gc import GCSettings
 from cas.retention.policy import RetentionPolicy, Rule
 from tests.helpers import assert_bit_exact, local_root
 from tests.retention_helpers import (
+    CHUNK,
     FakeClock,
     chunk_digests,
+    chunks_of,
     local_repo,
     memory_repo,
     reachable_chunks,
+    state,
     tensor,
 )
 
-CHUNK = 4096
 LeaseHold = AbstractContextManager[WriterLease | None]
 """What ``repo.leases.hold()`` returns: entered, it yields the held lease."""
-
-
-def state(*seeds: int) -> dict[str, Any]:
-    """One 2-chunk tensor per seed."""
-    return {f"t{s}": tensor(s, 2 * CHUNK) for s in seeds}
-
-
-def chunks_of(*seeds: int) -> set[Digest]:
-    """The chunk digests ``state(*seeds)`` is stored as, computed independently of cas."""
-    out: set[Digest] = set()
-    for s in seeds:
-        data = tensor(s, 2 * CHUNK).numpy().tobytes()
-        out |= {digest_of(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)}
-    return out
 
 
 def age_files(root: Path, seconds: float) -> None:

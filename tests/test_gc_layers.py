@@ -45,27 +45,12 @@ from cas.refs.leases import LEASES_PREFIX, LeaseManager, LeaseSettings
 from cas.refs.store import RefChange, RefStore
 from cas.repo.config import StoreConfig
 from cas.retention.gc import GCSettings
-from tests.retention_helpers import FakeClock, local_repo, tensor
+from tests.retention_helpers import CHUNK, FakeClock, chunks_of, local_repo, state
 
-CHUNK = 4096
 NO_GRACE = GCSettings(grace=0, reflog_window=0)
 LONG_LEASES = {"duration": 7200, "margin": 60}
 NO_LEASES = {"enabled": False}
 T0 = 1_000_000.0
-
-
-def state(*seeds: int) -> dict[str, Any]:
-    """One 2-chunk tensor per seed."""
-    return {f"t{s}": tensor(s, 2 * CHUNK) for s in seeds}
-
-
-def chunks_of(*seeds: int) -> set[Digest]:
-    """The chunk digests ``state(*seeds)`` is stored as, computed independently of cas."""
-    out: set[Digest] = set()
-    for s in seeds:
-        data = tensor(s, 2 * CHUNK).numpy().tobytes()
-        out |= {digest_of(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)}
-    return out
 
 
 def repo_over(blobs: BlobStore, clock: FakeClock, **extra: Any) -> Repository:
