@@ -212,12 +212,18 @@ class DCPAsyncSaver:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
     def start(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-        response = async_save(state(), checkpoint_id=self.root / f"step_{step}", no_dist=True)
+        response = self.save(step, state())
         self.pending = (
             response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         )
+
+    def save(self, step: int, state: dict[str, Any]) -> Any:
+        """Start DCP's ``async_save`` of ``state`` as checkpoint ``step``; return its response."""
+        from torch.distributed.checkpoint.state_dict_saver import async_save
+
+        return async_save(state, checkpoint_id=self.root / f"step_{step}", no_dist=True)
 
     def wait(self) -> None:
         if self.pending is not None:

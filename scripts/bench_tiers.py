@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,9 @@ import torch
 import cas
 from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer, find_weed
 from cas.training.manager import CheckpointManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_manager import DCPAsyncSaver
 
 BUCKET = "bench"
 
@@ -156,31 +158,20 @@ class ManagerSaver:
         self.mgr.close()
 
 
-class DCPS3Saver:
-    """``torch.distributed.checkpoint.async_save`` to S3 through fsspec, one process."""
+class DCPS3Saver(DCPAsyncSaver):
+    """``torch.distributed.checkpoint.async_save`` to S3 through fsspec, one process: the
+    manager benchmark's DCP peer, writing to ``url`` instead of a local directory."""
 
     def __init__(self, url: str) -> None:
+        super().__init__(Path(tempfile.gettempdir()))
         self.url = url
-        self.pending: Any = None
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
-    def start(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+    def save(self, step: int, state: dict[str, Any]) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+        from torch.distributed.checkpoint.state_dict_saver import async_save
 
         writer = FsspecWriter(f"{self.url}/step_{step}")
-        response = async_save(state(), storage_writer=writer, no_dist=True)
-        self.pending = (
-            response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-        )
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-
-    def close(self) -> None:
-        self.wait()
+        return async_save(state, storage_writer=writer, no_dist=True)
 
 
 def stall(size: dict[str, int], root: Path, every: int, rounds: int) -> dict[str, Any]:
