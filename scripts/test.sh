@@ -4,6 +4,10 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k crash`. With CI=true a missing test
 # prerequisite fails the run instead of skipping (tests/prerequisites.py). The 15 slowest tests are
 # listed at the end so a test that became slow shows.
+# pytest runs in two worker processes (pytest-xdist), each test file whole on one worker, so a
+# module's fixtures start once and its tests keep their order: much of the suite waits (SeaweedFS
+# round trips, subprocesses, leases running out), and two workers halve the wall time even on two
+# cores. Each worker starts its own SeaweedFS. `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,4 +17,4 @@ echo "== ruff"
 echo "== mypy --strict"
 .venv/bin/mypy cas tests scripts
 echo "== pytest"
-.venv/bin/python -m pytest -p no:cacheprovider -q --durations=15 "$@"
+.venv/bin/python -m pytest -p no:cacheprovider -q -n 2 --dist loadfile --durations=15 "$@"
