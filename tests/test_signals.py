@@ -95,6 +95,7 @@ def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
 @pytest.mark.slow
 def test_sigterm_then_resume_is_bit_identical_to_a_run_that_never_stopped(tmp_path: Path) -> None:
     store = tmp_path / "store"
+    cas.open(store).close()  # created once, not by two trainers racing to write its config
     # The reference run that never stops trains beside the one that is stopped: another run in
     # the same store, it changes nothing the stopped one does, and its startup overlaps.
     reference = Trainer(store, "straight", "--steps", "16")
