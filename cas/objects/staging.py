@@ -37,15 +37,14 @@ ENV = "CAS_STAGING_POOL"
 DEFAULT_BYTES = 64 << 20
 """Sixteen 4 MiB chunks (the default chunk size) in flight, or one of the largest (64 MiB)."""
 _PAGE = 4096
-_GRAIN = 1 << 20
-"""Buffers are sized in whole MiB, so chunks of slightly different sizes share them."""
+_MIN = 1 << 20
 
 
 class StagingPool:
     """A bounded set of reusable page-aligned buffers, leased one chunk at a time."""
 
     def __init__(self, limit: int = DEFAULT_BYTES) -> None:
-        if limit < _GRAIN:
+        if limit < _MIN:
             raise CASError(f"staging pool of {format_size(limit)} is below 1 MiB")
         self.limit = limit
         self._free: list[tuple[int, mmap.mmap]] = []
@@ -123,8 +122,10 @@ class StagingPool:
 
 
 def _capacity(nbytes: int) -> int:
-    """The mapping a lease of ``nbytes`` needs: the payload offset plus the bytes, whole MiB."""
-    return -(-(nbytes + PAYLOAD_OFFSET + _PAGE) // _GRAIN) * _GRAIN
+    """The mapping a lease of ``nbytes`` needs: the payload offset plus the bytes, whole pages.
+    A smaller lease takes the smallest free buffer that fits, so a tensor's short last chunk
+    reuses a full chunk's buffer."""
+    return -(-(nbytes + PAYLOAD_OFFSET) // _PAGE) * _PAGE
 
 
 def _mapping(size: int) -> mmap.mmap:
