@@ -47,7 +47,7 @@ class StagingPool:
         if limit < _MIN:
             raise CASError(f"staging pool of {format_size(limit)} is below 1 MiB")
         self.limit = limit
-        self._free: list[tuple[int, mmap.mmap]] = []
+        self._free: list[mmap.mmap] = []
         self._held = 0
         """Bytes of every buffer the pool owns, leased or free."""
         self.peak = 0
@@ -73,22 +73,23 @@ class StagingPool:
         try:
             yield _array(buffer, nbytes)
         finally:
-            self._give(need, buffer)
+            self._give(buffer)
 
     def _take(self, need: int) -> mmap.mmap:
         with self._cond:
             while True:
-                fits = [i for i, (size, _) in enumerate(self._free) if size >= need]
+                fits = [buffer for buffer in self._free if len(buffer) >= need]
                 if fits:
-                    index = min(fits, key=lambda i: self._free[i][0])
-                    return self._free.pop(index)[1]
+                    buffer = min(fits, key=len)
+                    self._free.remove(buffer)
+                    return buffer
                 if self._held + need <= self.limit or (self._held == 0 and need > self.limit):
                     break
                 if self._free:
                     # Too small for this lease, and the bound leaves no room beside them.
-                    size, spare = self._free.pop()
+                    spare = self._free.pop()
+                    self._held -= len(spare)
                     _unmap(spare)
-                    self._held -= size
                     continue
                 self._cond.wait()
             self._held += need
@@ -101,20 +102,20 @@ class StagingPool:
                 self._cond.notify_all()
             raise
 
-    def _give(self, need: int, buffer: mmap.mmap) -> None:
+    def _give(self, buffer: mmap.mmap) -> None:
         with self._cond:
             if self._held > self.limit:
+                self._held -= len(buffer)
                 _unmap(buffer)  # an oversized lease: not kept
-                self._held -= need
             else:
-                self._free.append((need, buffer))
+                self._free.append(buffer)
             self._cond.notify_all()
 
     def trim(self) -> int:
         """Unmap every buffer not leased now; the bytes given back."""
         with self._cond:
-            freed = sum(size for size, _ in self._free)
-            for _, buffer in self._free:
+            freed = sum(len(buffer) for buffer in self._free)
+            for buffer in self._free:
                 _unmap(buffer)
             self._free.clear()
             self._held -= freed
