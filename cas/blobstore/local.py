@@ -81,9 +81,10 @@ class LocalBlobStore(BlobStore):
 
     With ``direct_io=True`` (what ``for_background_writes`` returns) blobs from 1 MiB to 64 MiB,
     chunks in practice, are written with ``O_DIRECT`` where the filesystem takes it
-    (``cas.blobstore.direct``): a background save then costs a training loop far less CPU, but
-    what it wrote is not in the page cache and reads back slower at first, so it is not the
-    default.
+    (``cas.blobstore.direct``): no fresh page-cache pages are faulted in, so a full save runs
+    near the disk's speed and a background save costs a training loop far less CPU.
+    ``ObjectStore`` writes every new chunk through such a handle; manifests, refs and small
+    blobs stay buffered here.
     """
 
     def __init__(
