@@ -14,17 +14,22 @@ mark and sweep, inventories, ``cas verify``) still name objects by their plain d
 an index to keep in step. Everything above sees plain keys and bytes, and the object layer still
 checks every byte against its digest after the tag (invariant 2).
 
-Local files are never read or renamed in place beneath this wrapper: ``local_root`` is None.
+Local files beneath this wrapper hold ciphertext under other names, so ``local_root`` is None:
+no reader maps them and no sweep renames them. A chunk's file is still read where it lies
+(``read_into_buffers``): read into a reused buffer and decrypted into the reader's buffers.
 """
 
 from __future__ import annotations
 
+import copy
+import mmap
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 from cryptography.exceptions import InvalidTag
@@ -49,6 +54,8 @@ SEAL_VERSION = 1
 NONCE_SIZE = 12
 TAG_SIZE = 16
 HEADER_SIZE = len(MAGIC) + 1 + NONCE_SIZE
+SPILL = 256 << 10
+"""The slice of a reader's buffer decrypted at a time (``_decrypt_in_place``): it stays in cache."""
 OVERHEAD = HEADER_SIZE + TAG_SIZE
 """Bytes a sealed blob holds beyond its plaintext."""
 CLEAR_KEYS = ("config",)
@@ -88,9 +95,15 @@ class SealedBlobStore(BlobStoreWrapper):
     def __init__(self, inner: BlobStore, key: StoreKey) -> None:
         super().__init__(inner)
         self._local = threading.local()
+        self._key = key
         self._payload_key = key.subkey(PAYLOAD_CONTEXT)
         self._aead = AESGCM(self._payload_key)
         self._names = Cipher(algorithms.AES(key.subkey(NAME_CONTEXT)), modes.ECB())
+
+    def same_key(self, other: SealedBlobStore) -> bool:
+        """Whether ``other`` seals with this store's key: then its stored objects are valid
+        here as they are (``cas.blobstore.copier``)."""
+        return self._key == other._key
 
     # -- names --------------------------------------------------------------------------------
 
@@ -121,7 +134,9 @@ class SealedBlobStore(BlobStoreWrapper):
         """The sealed form of ``data`` stored under ``key``, as parts a store writes in turn.
 
         The parts of a payload (a chunk's header and its bytes) are encrypted one after the
-        other into one buffer, so sealing costs one pass and no join of the plaintext.
+        other into one buffer, so sealing costs one pass and no join of the plaintext. The
+        sealed blob lies whole in this thread's page-aligned buffer (valid until its next
+        blob), so a direct write (``cas.blobstore.direct``) sends it from where it lies.
         """
         parts = parts_of(data)
         if self._clear(key):
@@ -129,40 +144,56 @@ class SealedBlobStore(BlobStoreWrapper):
         nonce = os.urandom(NONCE_SIZE)
         encryptor = Cipher(algorithms.AES(self._payload_key), modes.GCM(nonce)).encryptor()
         encryptor.authenticate_additional_data(key.encode())
-        view, at = self._scratch(sum(len(memoryview(p).cast("B")) for p in parts) + 15), 0
+        size = sum(memoryview(p).nbytes for p in parts)
+        view = self._scratch(size + OVERHEAD)
+        view[:HEADER_SIZE] = MAGIC + bytes([SEAL_VERSION]) + nonce
+        at = HEADER_SIZE
         for part in parts:
-            at += encryptor.update_into(memoryview(part).cast("B"), view[at:])
+            plain = memoryview(part).cast("B")
+            at += encryptor.update_into(plain, view[at : at + len(plain)])
         encryptor.finalize()
-        return [MAGIC + bytes([SEAL_VERSION]) + nonce, view[:at], encryptor.tag]
+        view[at : at + TAG_SIZE] = encryptor.tag
+        return [view[: at + TAG_SIZE]]
 
     def unseal(self, key: str, blob: bytes | memoryview) -> bytes:
         """The plaintext of a sealed blob; IntegrityError when it is not one or was altered."""
         if self._clear(key):
             return bytes(blob)
-        if len(blob) < OVERHEAD or bytes(blob[: len(MAGIC)]) != MAGIC:
-            raise IntegrityError(f"{key} in {self.url} is not sealed with this store's key")
-        if blob[len(MAGIC)] != SEAL_VERSION:
-            raise FormatError(f"{key} in {self.url}: unknown seal version {blob[len(MAGIC)]}")
-        nonce = bytes(blob[len(MAGIC) + 1 : HEADER_SIZE])
+        nonce = self._nonce(key, blob, len(blob))
         try:
             return self._aead.decrypt(nonce, memoryview(blob)[HEADER_SIZE:], key.encode())
         except InvalidTag as e:
-            raise IntegrityError(
-                f"{key} in {self.url} fails its authentication tag (altered, or another key)"
-            ) from e
+            raise self._altered(key) from e
+
+    def _nonce(self, key: str, head: bytes | memoryview, size: int) -> bytes:
+        """The nonce in ``head``, the start of a sealed blob of ``size`` bytes, once its magic
+        and version are checked."""
+        blob = head
+        if size < OVERHEAD or bytes(blob[: len(MAGIC)]) != MAGIC:
+            raise IntegrityError(f"{key} in {self.url} is not sealed with this store's key")
+        if blob[len(MAGIC)] != SEAL_VERSION:
+            raise FormatError(f"{key} in {self.url}: unknown seal version {blob[len(MAGIC)]}")
+        return bytes(blob[len(MAGIC) + 1 : HEADER_SIZE])
+
+    def _altered(self, key: str) -> IntegrityError:
+        return IntegrityError(
+            f"{key} in {self.url} fails its authentication tag (altered, or another key)"
+        )
 
     # -- BlobStore ----------------------------------------------------------------------------
 
     def _scratch(self, size: int) -> memoryview:
-        """This thread's buffer of at least ``size`` bytes, kept for its next blob.
+        """This thread's buffer of at least ``size`` bytes, page-aligned, kept for its next blob.
 
         Ciphertext only passes through it: a put hands it to the store below, which has
         written it when the call returns, and a read decrypts out of it into new bytes. Fresh
-        memory for every chunk would cost page faults worth more than the AES itself.
+        memory for every chunk would cost page faults worth more than the AES itself. A buffer
+        outgrown is unmapped once the last view of it is gone.
         """
-        buffer: bytearray | None = getattr(self._local, "buffer", None)
+        buffer: mmap.mmap | None = getattr(self._local, "buffer", None)
         if buffer is None or len(buffer) < size:
-            buffer = bytearray(max(size, 2 * len(buffer or b"")))
+            grown = max(size, 2 * len(buffer) if buffer is not None else 0)
+            buffer = mmap.mmap(-1, -(-grown // mmap.PAGESIZE) * mmap.PAGESIZE)
             self._local.buffer = buffer
         return memoryview(buffer)
 
@@ -175,6 +206,69 @@ class SealedBlobStore(BlobStoreWrapper):
             if got <= size:  # the whole blob (one that grew meanwhile is read the plain way)
                 return self.unseal(key, view[:got])
         return self.unseal(key, self.inner.get(stored))
+
+    def read_into_buffers(self, key: str, start: int, outs: Sequence[memoryview]) -> int | None:
+        """A sealed object whose file lies on this machine, read straight into ``outs`` and
+        decrypted there; the plaintext bytes (fewer than ``outs`` hold only when it is shorter).
+        None (read it another way) for a read from an offset, a blob larger than ``outs`` (its
+        tag covers the whole of it), a clear blob, or a store below without local files.
+
+        A plain load reads a chunk's file into the reader's buffers in one ``preadv``; so does
+        this, its header and tag aside, then decrypts in place, a cache-warm slice at a time
+        (``_decrypt_in_place``). Decrypting from a buffer of its own into the reader's would
+        cost the first write to each new page of the reader's memory in a fault, which on this
+        kind of machine costs far more than the AES (a 1 GiB load took 0.8 s instead of 0.2).
+        ``outs`` hold ciphertext or unchecked bytes after an error, as after any failed read.
+        """
+        if start or self._clear(key):
+            return None
+        stored = self.stored_key(key)
+        if self.inner.local_path(stored) is None:
+            return None
+        wanted = sum(len(out) for out in outs)
+        head, tail = memoryview(bytearray(HEADER_SIZE)), memoryview(bytearray(TAG_SIZE + 1))
+        got = read_into(self.inner, stored, 0, [head, *outs, tail])
+        if got > OVERHEAD + wanted:
+            return None
+        nonce = self._nonce(key, head, got)
+        size = got - OVERHEAD
+        tag = _bytes_at([*outs, tail], size, size + TAG_SIZE)
+        decryptor = Cipher(algorithms.AES(self._payload_key), modes.GCM(nonce, tag)).decryptor()
+        decryptor.authenticate_additional_data(key.encode())
+        left = size
+        for out in outs:
+            part = out[: min(len(out), left)]
+            _decrypt_in_place(decryptor, part, self._spill())
+            left -= len(part)
+        try:
+            decryptor.finalize()
+        except InvalidTag as e:
+            raise self._altered(key) from e
+        return size
+
+    def _spill(self) -> memoryview:
+        """This thread's small buffer that ciphertext passes through on its way back in place."""
+        spill: memoryview | None = getattr(self._local, "spill", None)
+        if spill is None:
+            spill = self._local.spill = memoryview(bytearray(SPILL))
+        return spill
+
+    def for_background_writes(self) -> BlobStore:
+        """Sealed too, over the store below's background handle (a local store's direct
+        writes): a training loop's encrypted saves keep the plain ones' path past the page
+        cache, the sealed blob sent from this thread's aligned buffer where it lies."""
+        inner = self.inner.for_background_writes()
+        if inner is self.inner:
+            return self
+        handle = copy.copy(self)
+        handle.inner = inner
+        return handle
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Where the store below has local files: objects are decrypted straight from them into
+        a reader's buffers (``read_into_buffers``)."""
+        return self.inner.reads_in_place
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.get(key)[start:end]  # a tag covers the whole blob: read it whole
@@ -234,7 +328,7 @@ class SealedBlobStore(BlobStoreWrapper):
 
     @property
     def local_root(self) -> Path | None:
-        return None  # files beneath hold ciphertext under other names: never read in place
+        return None  # ciphertext under other names: never mapped as it is, never renamed
 
     @property
     def supports_rename(self) -> bool:
@@ -248,3 +342,27 @@ def _file_size(path: Path) -> int | None:
         return path.stat().st_size
     except OSError:
         return None
+
+
+def _decrypt_in_place(decryptor: Any, buffer: memoryview, spill: memoryview) -> None:
+    """Replace the ciphertext in ``buffer`` by its plaintext, a ``spill``-sized slice at a time.
+
+    Each slice is copied aside while it is still in the CPU's cache and decrypted back into
+    place, so input and output never alias (what ``update_into`` asks) and no large buffer is
+    touched; GCM gives one byte out for each byte in.
+    """
+    for at in range(0, len(buffer), len(spill)):
+        piece = buffer[at : at + len(spill)]
+        n = len(piece)
+        spill[:n] = piece
+        decryptor.update_into(spill[:n], piece)
+
+
+def _bytes_at(buffers: Sequence[memoryview], start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of ``buffers`` taken as one sequence."""
+    found = bytearray()
+    for buffer in buffers:
+        if start < len(buffer) and end > 0:
+            found += buffer[max(0, start) : min(len(buffer), end)]
+        start, end = start - len(buffer), end - len(buffer)
+    return bytes(found)
