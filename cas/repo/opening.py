@@ -116,15 +116,12 @@ def open(
         )
     sealed = ENCRYPTION_SECTION in existing.extra
     if sealed:
-        if cache is not None:
-            blobs.close()
-            raise CASError("cache= in front of an encrypted store is not supported")
         try:
             master, slot = open_key(blobs, key)
         except CASError:
             blobs.close()
             raise
-        blobs = SealedBlobStore(blobs, master)
+        blobs = _sealed(blobs, master)
     elif key is not None or encrypt:
         blobs.close()
         raise CASError(
@@ -140,6 +137,21 @@ def open(
     if sealed:
         repo.store_key, repo.key_slot = master, slot.id
     return repo
+
+
+def _sealed(blobs: BlobStore, master: StoreKey) -> BlobStore:
+    """``blobs`` sealed under ``master``; a local cache in front of it (``cache=``) is sealed on
+    its own, so it holds ciphertext under hidden names too and checks plaintext as it fills."""
+    from cas.blobstore.cache import CachingBlobStore
+
+    if not isinstance(blobs, CachingBlobStore):
+        return SealedBlobStore(blobs, master)
+    return CachingBlobStore(
+        SealedBlobStore(blobs.local, master),
+        SealedBlobStore(blobs.remote, master),
+        prefixes=blobs.prefixes,
+        verify=verify_cached_object,
+    )
 
 
 def create_encrypted(
