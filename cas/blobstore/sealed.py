@@ -153,7 +153,11 @@ class SealedBlobStore(BlobStoreWrapper):
             at += encryptor.update_into(plain, view[at : at + len(plain)])
         encryptor.finalize()
         view[at : at + TAG_SIZE] = encryptor.tag
-        return [view[: at + TAG_SIZE]]
+        # Two parts, as a plain chunk's header and payload are: one write of a whole chunk
+        # into a new file cost the kernel 2-3x the CPU of a short write and then the rest
+        # (measured on Linux 6.18, ext4; an encrypted 1 GiB save took 1.2-1.8 s of CPU in its
+        # local writes against 0.35 s plain).
+        return [view[:HEADER_SIZE], view[HEADER_SIZE : at + TAG_SIZE]]
 
     def unseal(self, key: str, blob: bytes | memoryview) -> bytes:
         """The plaintext of a sealed blob; IntegrityError when it is not one or was altered."""
