@@ -46,6 +46,7 @@ from cas.blobstore.base import (
     parts_of,
 )
 from cas.blobstore.bulk import read_into
+from cas.blobstore.cache import CachingBlobStore
 from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.errors import FormatError, IntegrityError
 
@@ -87,6 +88,14 @@ class StoreKey:
     def generate(cls) -> StoreKey:
         """A new random master key."""
         return cls(os.urandom(32))
+
+
+def sealed_store(blobs: BlobStore, key: StoreKey) -> BlobStore:
+    """``blobs`` sealed under ``key``. A local cache in front of a remote (``cache=``) is sealed
+    on its own, so it holds ciphertext under hidden names too and checks plaintext as it fills."""
+    if isinstance(blobs, CachingBlobStore):
+        return blobs.rewrapped(lambda inner: SealedBlobStore(inner, key))
+    return SealedBlobStore(blobs, key)
 
 
 class SealedBlobStore(BlobStoreWrapper):

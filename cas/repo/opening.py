@@ -11,7 +11,7 @@ from typing import Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_for_use
 from cas.blobstore.appendonly import APPEND_ONLY_SECTION, AppendOnlyBlobStore
-from cas.blobstore.sealed import SealedBlobStore, StoreKey
+from cas.blobstore.sealed import StoreKey, sealed_store
 from cas.errors import AlreadyExists, CASError, IntegrityError, NotFound
 from cas.objects.encoding import DeltaSettings
 from cas.objects.keys import parse_object_key
@@ -121,7 +121,7 @@ def open(
         except CASError:
             blobs.close()
             raise
-        blobs = _sealed(blobs, master)
+        blobs = sealed_store(blobs, master)
     elif key is not None or encrypt:
         blobs.close()
         raise CASError(
@@ -137,21 +137,6 @@ def open(
     if sealed:
         repo.store_key, repo.key_slot = master, slot.id
     return repo
-
-
-def _sealed(blobs: BlobStore, master: StoreKey) -> BlobStore:
-    """``blobs`` sealed under ``master``; a local cache in front of it (``cache=``) is sealed on
-    its own, so it holds ciphertext under hidden names too and checks plaintext as it fills."""
-    from cas.blobstore.cache import CachingBlobStore
-
-    if not isinstance(blobs, CachingBlobStore):
-        return SealedBlobStore(blobs, master)
-    return CachingBlobStore(
-        SealedBlobStore(blobs.local, master),
-        SealedBlobStore(blobs.remote, master),
-        prefixes=blobs.prefixes,
-        verify=verify_cached_object,
-    )
 
 
 def create_encrypted(
