@@ -107,9 +107,11 @@ def test_a_push_between_stores_sharing_a_key_copies_objects_as_they_are_stored(
     sealed: list[str] = []
     seal = SealedBlobStore.seal
 
-    def counted_seal(self: SealedBlobStore, key: str, data: Payload) -> list[BytesLike]:
+    def counted_seal(
+        self: SealedBlobStore, key: str, data: Payload, into: memoryview | None = None
+    ) -> list[BytesLike]:
         sealed.append(key)
-        return seal(self, key, data)
+        return seal(self, key, data, into)
 
     monkeypatch.setattr(SealedBlobStore, "seal", counted_seal)
     second = a.push(b, ["runs/r1/two"])

@@ -27,6 +27,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ CLEAR_PREFIXES = ("keys/",)
 """Blobs a reader needs before it has the key: the store's settings and its wrapped keys."""
 OBJECT_ROOTS = ("chunks/", "manifests/")
 MAX_SCRATCH = (64 << 20) + (64 << 10)
-"""The largest sealed blob read through a thread's reusable buffer (a full-size chunk)."""
+"""The largest sealed blob read through a buffer of the pool (a full-size chunk)."""
 _OBJECT_KEY = re.compile(r"(chunks|manifests)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
 NAME_CONTEXT = "cas 2026-11-28 object names"
 PAYLOAD_CONTEXT = "cas 2026-11-28 payloads"
@@ -88,6 +89,42 @@ class StoreKey:
     def generate(cls) -> StoreKey:
         """A new random master key."""
         return cls(os.urandom(32))
+
+
+class BufferPool:
+    """Page-aligned buffers that sealed blobs pass through on their way to and from storage,
+    shared by every sealed store and thread of the process, and kept up to ``keep`` bytes.
+
+    Fresh memory for each blob, or for each store or thread a process opens (a repository's
+    workers are its own), would cost a page fault for every page written through it: on this
+    kind of machine far more than the AES itself.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def lease(self, size: int) -> Iterator[memoryview]:
+        """A buffer of at least ``size`` bytes, this caller's until the block ends."""
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= size]
+            buffer = min(fits, key=len) if fits else None
+            if buffer is not None:
+                self._free.remove(buffer)
+        if buffer is None:
+            buffer = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        try:
+            yield memoryview(buffer)
+        finally:
+            with self._lock:
+                if sum(len(b) for b in self._free) + len(buffer) <= self.keep:
+                    self._free.append(buffer)
+
+
+BUFFERS = BufferPool(keep=64 << 20)
+"""The process's pool: room for a full-size chunk, or for eight workers' default-size ones."""
 
 
 def sealed_store(blobs: BlobStore, key: StoreKey) -> BlobStore:
@@ -139,13 +176,13 @@ class SealedBlobStore(BlobStoreWrapper):
     def _clear(key: str) -> bool:
         return key in CLEAR_KEYS or key.startswith(CLEAR_PREFIXES)
 
-    def seal(self, key: str, data: Payload) -> list[BytesLike]:
+    def seal(self, key: str, data: Payload, into: memoryview | None = None) -> list[BytesLike]:
         """The sealed form of ``data`` stored under ``key``, as parts a store writes in turn.
 
         The parts of a payload (a chunk's header and its bytes) are encrypted one after the
-        other into one buffer, so sealing costs one pass and no join of the plaintext. The
-        sealed blob lies whole in this thread's page-aligned buffer (valid until its next
-        blob), so a direct write (``cas.blobstore.direct``) sends it from where it lies.
+        other into one buffer, ``into`` (at least ``OVERHEAD`` bytes more than ``data``) or a new
+        one, so sealing costs one pass and no join of the plaintext. A page-aligned ``into``
+        lets a direct write (``cas.blobstore.direct``) send the sealed blob from where it lies.
         """
         parts = parts_of(data)
         if self._clear(key):
@@ -154,7 +191,7 @@ class SealedBlobStore(BlobStoreWrapper):
         encryptor = Cipher(algorithms.AES(self._payload_key), modes.GCM(nonce)).encryptor()
         encryptor.authenticate_additional_data(key.encode())
         size = sum(memoryview(p).nbytes for p in parts)
-        view = self._scratch(size + OVERHEAD)
+        view = into if into is not None else memoryview(bytearray(size + OVERHEAD))
         view[:HEADER_SIZE] = MAGIC + bytes([SEAL_VERSION]) + nonce
         at = HEADER_SIZE
         for part in parts:
@@ -167,6 +204,17 @@ class SealedBlobStore(BlobStoreWrapper):
         # (Linux 6.18, ext4: an encrypted 1 GiB save spent 1.2-1.8 s of CPU in its local
         # writes, a plain one 0.35 s). A direct write sends the second part from where it lies.
         return [view[:HEADER_SIZE], view[HEADER_SIZE : at + TAG_SIZE]]
+
+    @contextmanager
+    def _sealing(self, key: str, data: Payload) -> Iterator[list[BytesLike]]:
+        """``seal``, in a buffer of the process's pool (``BUFFERS``) held until the block ends,
+        when the store below has written the parts."""
+        if self._clear(key):
+            yield list(parts_of(data))
+            return
+        size = sum(memoryview(p).nbytes for p in parts_of(data)) + OVERHEAD
+        with BUFFERS.lease(size) as buffer:
+            yield self.seal(key, data, buffer)
 
     def unseal(self, key: str, blob: bytes | memoryview) -> bytes:
         """The plaintext of a sealed blob; IntegrityError when it is not one or was altered."""
@@ -194,29 +242,14 @@ class SealedBlobStore(BlobStoreWrapper):
 
     # -- BlobStore ----------------------------------------------------------------------------
 
-    def _scratch(self, size: int) -> memoryview:
-        """This thread's buffer of at least ``size`` bytes, page-aligned, kept for its next blob.
-
-        Ciphertext only passes through it: a put hands it to the store below, which has
-        written it when the call returns, and a read decrypts out of it into new bytes. Fresh
-        memory for every chunk would cost page faults worth more than the AES itself. A buffer
-        outgrown is unmapped once the last view of it is gone.
-        """
-        buffer: mmap.mmap | None = getattr(self._local, "buffer", None)
-        if buffer is None or len(buffer) < size:
-            grown = max(size, 2 * len(buffer) if buffer is not None else 0)
-            buffer = mmap.mmap(-1, -(-grown // mmap.PAGESIZE) * mmap.PAGESIZE)
-            self._local.buffer = buffer
-        return memoryview(buffer)
-
     def get(self, key: str) -> bytes:
         stored = self.stored_key(key)
         path = None if self._clear(key) else self.inner.local_path(stored)
         if path is not None and (size := _file_size(path)) is not None and size <= MAX_SCRATCH:
-            view = self._scratch(size + 1)
-            got = read_into(self.inner, stored, 0, [view[: size + 1]])
-            if got <= size:  # the whole blob (one that grew meanwhile is read the plain way)
-                return self.unseal(key, view[:got])
+            with BUFFERS.lease(size + 1) as view:
+                got = read_into(self.inner, stored, 0, [view[: size + 1]])
+                if got <= size:  # the whole blob (one that grew meanwhile is read the plain way)
+                    return self.unseal(key, view[:got])
         return self.unseal(key, self.inner.get(stored))
 
     def read_into_buffers(self, key: str, start: int, outs: Sequence[memoryview]) -> int | None:
@@ -312,13 +345,16 @@ class SealedBlobStore(BlobStoreWrapper):
         return (info.key for info in self.list_info(prefix))
 
     def put(self, key: str, data: Payload) -> None:
-        self.inner.put(self.stored_key(key), self.seal(key, data))
+        with self._sealing(key, data) as sealed:
+            self.inner.put(self.stored_key(key), sealed)
 
     def put_if_absent(self, key: str, data: Payload) -> bool:
-        return self.inner.put_if_absent(self.stored_key(key), self.seal(key, data))
+        with self._sealing(key, data) as sealed:
+            return self.inner.put_if_absent(self.stored_key(key), sealed)
 
     def put_transient(self, key: str, data: BytesLike) -> None:
-        self.inner.put_transient(self.stored_key(key), joined(self.seal(key, data)))
+        with self._sealing(key, data) as sealed:
+            self.inner.put_transient(self.stored_key(key), joined(sealed))
 
     def touch(self, key: str) -> None:
         self.inner.touch(self.stored_key(key))
@@ -331,7 +367,8 @@ class SealedBlobStore(BlobStoreWrapper):
         return self.unseal(key, blob), version
 
     def put_conditional(self, key: str, data: BytesLike, expected: Version | None) -> Version:
-        sealed = joined(self.seal(key, data))
+        with self._sealing(key, data) as parts:
+            sealed = joined(parts)
         return self.inner.put_conditional(self.stored_key(key), sealed, expected)
 
     def delete_conditional(self, key: str, expected: Version) -> None:
