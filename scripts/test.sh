@@ -6,7 +6,7 @@
 # listed at the end so a test that became slow shows.
 # pytest runs in two worker processes (pytest-xdist), each test file whole on one worker, so a
 # module's fixtures start once and its tests keep their order: much of the suite waits (SeaweedFS
-# round trips, subprocesses, leases running out), and two workers halve the wall time even on two
+# round trips, subprocesses, leases running out), so two workers cut the wall time by ~40% on two
 # cores. Each worker starts its own SeaweedFS. `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
