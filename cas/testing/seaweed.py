@@ -184,7 +184,23 @@ class SeaweedServer:
         )
 
     def start(self) -> None:
-        """Start the server and wait until S3 answers; raise with the log tail if it does not."""
+        """Start the server and wait until S3 answers; raise with the log tail if it does not.
+
+        A port picked free can be taken by another process before ``weed`` binds it (test
+        workers start servers at once): a first start that fails so picks new ports and tries
+        again. A restart keeps its ports, which clients already know.
+        """
+        for attempt in range(3):
+            try:
+                self._start_once()
+                return
+            except SeaweedStartupError:
+                taken = "address already in use" in self.log_tail(200).lower()
+                if self.start_seconds or not taken or attempt == 2:
+                    raise
+                self.ports = SeaweedPorts.pick_free()
+
+    def _start_once(self) -> None:
         if self.running:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
