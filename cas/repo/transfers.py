@@ -100,9 +100,11 @@ class TransferOperations:
         pointers: Sequence[str] = (),
         hold_back: Collection[Digest] = (),
         jobs: int = 16,
+        known: Collection[Digest] | None = None,
     ) -> DrainReport:
         """Push one checkpoint ``ref`` to ``remote``, then move its ``latest`` and ``pointers``
-        there in that order, fenced by one writer lease (``cas.sync.drain``)."""
+        there in that order, fenced by one writer lease (``cas.sync.drain``); ``known``: chunks
+        ``remote`` held a moment ago, whose existence is then not asked."""
         return drain_checkpoint(
             self.stores,
             remote.stores,
@@ -111,6 +113,7 @@ class TransferOperations:
             pointers=pointers,
             hold_back=hold_back,
             jobs=jobs,
+            known=known,
         )
 
     def tier_lag(self, remote: TransferOperations, selector: str) -> TierLag:

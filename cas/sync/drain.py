@@ -120,14 +120,20 @@ def drain_checkpoint(
     pointers: Sequence[str] = (),
     hold_back: Collection[Digest] = (),
     jobs: int = 16,
+    known: Collection[Digest] | None = None,
 ) -> DrainReport:
     """Push ``ref`` to ``dst``, then move ``latest`` and the ``pointers`` there (module docstring).
 
     ``hold_back``: targets still waiting to be drained; a pointer naming one waits for it.
     ``ref=None`` moves only ``latest`` and the pointers (a gate promoted between saves).
+    ``known``: chunks ``dst`` held a moment ago, so none is asked for (``transfer``).
     """
     with dst.writers.hold("drain"):
-        moved = transfer(src, dst, [ref], jobs=jobs, op="drain") if ref is not None else None
+        moved = (
+            transfer(src, dst, [ref], jobs=jobs, op="drain", known=known)
+            if ref is not None
+            else None
+        )
         report = DrainReport(ref, moved)
         if latest is not None:
             report.latest = advance_latest(src, dst, latest)

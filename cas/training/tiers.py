@@ -113,6 +113,7 @@ class RemoteTier:
     ) -> None:
         self.local = local
         self._remote: Repository | None = remote if isinstance(remote, Repository) else None
+        self._reader: Repository | None = None
         self._remote_url = remote.url if isinstance(remote, Repository) else remote
         self._opening = threading.Lock()
         self.checkpoints = checkpoints
@@ -140,6 +141,10 @@ class RemoteTier:
         """ref -> the sequence number of its latest ``notify``: a scan that began before it
         cannot have seen it."""
         self._error: str | None = None
+        self._known: frozenset[Digest] | None = None
+        """The chunks of the checkpoint drained last: the remote held them a moment ago, so the
+        next drain asks for none of them (a checkpoint shares most chunks with the one before)
+        and sends the others without asking either (``transfer``'s ``known``)."""
         self.drained = 0
         """Checkpoints this process pushed to the remote."""
         self.sent_bytes = 0
@@ -161,6 +166,29 @@ class RemoteTier:
             if self._remote is None:
                 self._remote = open_remote(self._remote_url)
             return self._remote
+
+    def reader(self) -> Repository | None:
+        """The remote for reads (a resume, a heal): the drain's handle once it is open, else a
+        read-only one, so a resume waits for no probe of conditional writes and takes no lease
+        there; None if no store is there yet (nothing to resume from)."""
+        with self._opening:
+            if self._remote is not None:
+                return self._remote
+            if self._reader is None:
+                from cas.repo.opening import open as open_store
+
+                try:
+                    self._reader = open_store(self._remote_url, readonly=True)
+                except NotFound:
+                    return None  # the first run: the drain creates the store
+            return self._reader
+
+    def _has_work(self) -> bool:
+        """Whether the local store holds anything of the run to drain: a new node's does not,
+        and then the drain neither opens the remote nor takes a lease there (a resume from the
+        remote would otherwise share the CPU and the link with it)."""
+        selectors = [self.checkpoints, *self.pointers]
+        return any(self.local.ref_names(selector) for selector in selectors)
 
     @classmethod
     def of_run(
@@ -304,6 +332,8 @@ class RemoteTier:
     def _cycle(self) -> None:
         with self._cond:
             began = self._sequence
+        if self._remote is None and not self._has_work():
+            return
         pending = self.local.pending_on(self.remote, self.checkpoints)
         skip = self._thin(pending)
         self._remember(pending, skip, began)
@@ -313,11 +343,14 @@ class RemoteTier:
                 if self._stopping:
                     return
             hold = {p.target for p in todo[i + 1 :]}
+            known, self._known = self._known, None  # unknown again until this drain succeeds
+            report = None
             try:
                 report = self.local.drain_to(
                     self.remote, item.ref, latest=self.latest, pointers=self.pointers,
-                    hold_back=hold, jobs=self.jobs,
+                    hold_back=hold, jobs=self.jobs, known=known,
                 )  # fmt: skip
+                self._known = self._chunks_of(item.target)
             except NotFound:
                 now = self.local.find_ref(item.ref)
                 if now is not None and now.target == item.target:
@@ -327,7 +360,8 @@ class RemoteTier:
             with self._cond:
                 self._pending.pop(item.ref, None)
                 self.drained += 1
-                self.sent_bytes += report.transfer.wire_bytes if report.transfer else 0
+                if report is not None and report.transfer is not None:
+                    self.sent_bytes += report.transfer.wire_bytes
                 remove = item.ref in self._remove_after
                 self._remove_after.discard(item.ref)
             if remove:
@@ -340,6 +374,12 @@ class RemoteTier:
                 self.remote.forget(self.policy)
             except CASError as e:  # a GC holds the remote's maintenance lock: next time
                 log.warning("remote tier %s: its policy did not run: %s", self.url, e)
+
+    def _chunks_of(self, target: Digest) -> frozenset[Digest] | None:
+        try:
+            return frozenset(self.local.manifest(target).chunk_digests())
+        except CASError:
+            return None
 
     def _thin(self, pending: list[PendingCheckpoint]) -> set[str]:
         """Checkpoints to pass over for the remote: only when more than ``max_pending`` wait,
@@ -432,20 +472,23 @@ class RemoteTier:
             return None
 
     def _pull_newer(self) -> str | None:
-        remote = self.remote.find_ref(self.latest)
+        there = self.reader()
+        if there is None:
+            return None
+        remote = there.find_ref(self.latest)
         if remote is None:
             return None
         local = self.local.find_ref(self.latest)
         if local is not None and local.target == remote.target:
             return None
         if local is not None and _position(self.local, local.target) >= _position(
-            self.remote, remote.target
+            there, remote.target
         ):
             return None
         ref = remote.history[-1].message if remote.history else ""
         if not ref:
             return None
-        self.local.pull(self.remote, [ref], jobs=self.jobs)
+        self.local.pull(there, [ref], jobs=self.jobs)
         self.local.set_ref(
             self.latest, remote.target, expected=local.target if local else None,
             op="pull", message=ref, overwrite=True,
@@ -457,14 +500,15 @@ class RemoteTier:
         """Restore the checkpoint ``digest`` (named ``ref``) from the remote after a local read
         found it damaged or incomplete; whether the remote had it."""
         try:
-            there = self.remote.find_ref(ref)
-            if there is None or there.target != digest:
+            remote = self.reader()
+            there = remote.find_ref(ref) if remote is not None else None
+            if remote is None or there is None or there.target != digest:
                 return False
             mine = self.local.find_ref(ref)
             if mine is not None and mine.target == digest:
-                self.local.repair_from(self.remote, [ref])
+                self.local.repair_from(remote, [ref])
             else:
-                self.local.pull(self.remote, [ref], jobs=self.jobs)
+                self.local.pull(remote, [ref], jobs=self.jobs)
         except CASError as e:
             log.warning("could not heal %s from %s: %s", ref, self.url, e)
             return False

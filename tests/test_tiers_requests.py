@@ -1,0 +1,159 @@
+"""What the remote tier asks of S3: a drain asks nothing it already knows, a resume on a new node
+writes nothing there, and bodies sent over TLS are not hashed a second time for the signature."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import botocore.awsrequest
+import botocore.client
+import pytest
+import torch
+
+import cas
+from cas.blobstore.s3.client import S3Options, make_client
+from cas.codecs import codec_by_name
+from cas.objects.keys import ObjectKind, object_key
+from cas.objects.store import ObjectStore
+from cas.repo.config import StoreConfig
+from cas.training.manager import CheckpointManager
+from tests.helpers import assert_bit_exact
+
+CKPT = "runs/r1/phase1/ckpt_phase1_step{:08d}"
+
+
+def _open(root: Path) -> cas.Repository:
+    return cas.open(root, config=StoreConfig(chunk_size=4096))
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    """A frozen part every checkpoint shares and a head that changes with ``step``."""
+    frozen = torch.randn(16384, generator=torch.Generator().manual_seed(0))
+    head = torch.randn(2048, generator=torch.Generator().manual_seed(step))
+    return {"frozen": frozen, "head": head}
+
+
+@pytest.fixture
+def s3_requests(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
+    """Every S3 operation any client of this process makes, counted by name."""
+    seen: collections.Counter[str] = collections.Counter()
+    original = botocore.client.BaseClient._make_api_call
+
+    def counted(self: Any, operation: str, params: dict[str, Any]) -> Any:
+        seen[operation] += 1
+        return original(self, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counted)
+    yield seen
+
+
+def test_a_drain_asks_the_remote_for_none_of_the_chunks_its_last_checkpoint_left_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    asked: list[int] = []
+    original = ObjectStore.missing
+
+    def missing(self: ObjectStore, kind: Any, digests: Any) -> Any:
+        asked.append(len(digests))
+        return original(self, kind, digests)
+
+    monkeypatch.setattr(ObjectStore, "missing", missing)
+    with CheckpointManager(local, run="r1", signals=False, remote=remote) as mgr:
+        assert mgr.tier is not None
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).result()
+            assert mgr.tier.wait(30).saves == 0
+    # The first drain of the run asks which chunks the remote has; the later ones know.
+    assert len(asked) == 1 and asked[0] > 4
+    for step in (1, 2, 3):
+        assert_bit_exact(remote.load(CKPT.format(step))["state"], _state(step))
+
+
+def test_a_drain_trusting_chunks_swept_from_the_remote_since_stores_them_again(
+    tmp_path: Path,
+) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    for step in (1, 2):
+        local.save(_state(step), CKPT.format(step))
+    local.drain_to(remote, CKPT.format(1), latest=None)
+    known = frozenset(local.manifest(CKPT.format(1)).chunk_digests())
+    # A GC on the remote swept a frozen chunk since (the drain's knowledge is stale), and
+    # another writer stored a head chunk of step 2 there (the drain takes it for missing).
+    swept = next(iter(set(local.manifest(CKPT.format(2)).chunk_digests()) & known))
+    remote.objects.blobs.delete(object_key(ObjectKind.CHUNK, swept))
+    stored_by_other = next(iter(set(local.manifest(CKPT.format(2)).chunk_digests()) - known))
+    data = local.objects.get_chunk(stored_by_other)
+    remote.objects.put_chunk(data, codec_by_name("zstd"), expected=stored_by_other)
+    report = local.drain_to(remote, CKPT.format(2), latest=None, known=known)
+    assert report.transfer is not None and report.transfer.lookup == "known"
+    assert_bit_exact(remote.load(CKPT.format(2)), _state(2))
+    assert remote.objects.has_chunk(swept)
+
+
+def test_resuming_on_a_new_node_writes_nothing_to_s3_before_the_first_step(
+    tmp_path: Path, s3_url: str, s3_requests: collections.Counter[str]
+) -> None:
+    with CheckpointManager(
+        _open(tmp_path / "node1"), run="r1", signals=False, remote=s3_url
+    ) as mgr:
+        assert mgr.tier is not None
+        for step in (1, 2):
+            mgr.save(step, _state(step)).result()
+        assert mgr.tier.wait(60).saves == 0
+    s3_requests.clear()
+    mgr = CheckpointManager(_open(tmp_path / "node2"), run="r1", signals=False, remote=s3_url)
+    restored = mgr.restore("auto")
+    assert (restored.mode, restored.step) == ("resume", 2)
+    assert_bit_exact(restored.state, _state(2))
+    # No conditional-write probe, no writer lease: the resume only reads the remote.
+    writes = {op: n for op, n in s3_requests.items() if not op.startswith(("Get", "Head", "List"))}
+    assert writes == {}
+    mgr.close()
+
+
+def test_a_run_on_a_new_node_with_no_remote_store_yet_starts_fresh_without_creating_one(
+    tmp_path: Path,
+) -> None:
+    remote_dir = tmp_path / "remote"
+    mgr = CheckpointManager(
+        _open(tmp_path / "node"), run="r1", signals=False, remote=str(remote_dir)
+    )
+    assert mgr.restore("auto").mode == "fresh"
+    assert not remote_dir.exists()  # the first drain creates it
+    mgr.save(1, _state(1)).result()
+    assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    mgr.close()
+    assert_bit_exact(cas.open(remote_dir).load(CKPT.format(1))["state"], _state(1))
+
+
+class _Raw:
+    """An empty HTTP body for a faked response."""
+
+    def stream(self) -> Iterator[bytes]:
+        yield b""
+
+
+def test_bodies_sent_over_tls_are_not_hashed_for_the_signature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over TLS a PutObject is signed UNSIGNED-PAYLOAD (blake3 checks each chunk when read);
+    over plain HTTP its body stays signed."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    sent: dict[str, str] = {}
+
+    def capture(request: Any, **_: Any) -> botocore.awsrequest.AWSResponse:
+        sent[request.url.split(":")[0]] = request.headers["X-Amz-Content-SHA256"].decode()
+        return botocore.awsrequest.AWSResponse(request.url, 200, {}, _Raw())
+
+    for endpoint in ("https://s3.example.invalid", "http://s3.example.invalid"):
+        options = S3Options(endpoint_url=endpoint, region_name="us-east-1")
+        client = make_client(options)
+        client.meta.events.register("before-send.s3.PutObject", capture)
+        client.put_object(Bucket="b", Key="k", Body=b"x" * 1000)
+    assert sent["https"] == "UNSIGNED-PAYLOAD"
+    assert len(sent["http"]) == 64  # the body's SHA-256
