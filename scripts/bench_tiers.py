@@ -280,6 +280,16 @@ def resume(loop: Loop, url: str, root: Path, repeats: int = 3) -> dict[str, Any]
             mgr.tier.close(0)
         return elapsed
 
+    def from_remote_only() -> float:
+        """The floor of a resume that writes nothing locally first: open the remote read-only
+        and load its latest straight from S3 (no local tier, no manager)."""
+        start = time.perf_counter()
+        state = cas.open(url, readonly=True).load("runs/ft/latest")["state"]
+        loop.model.load_state_dict(state["model"])
+        loop.opt.load_state_dict(state["optimizer"])
+        loop.step()
+        return time.perf_counter() - start
+
     def from_pt(own_client: bool = False) -> float:
         start = time.perf_counter()
         buffer = io.BytesIO()
@@ -296,12 +306,14 @@ def resume(loop: Loop, url: str, root: Path, repeats: int = 3) -> dict[str, Any]
         "cas_base_cached_s": [],
         "boto3_pt_torch_load_s": [],
         "boto3_pt_torch_load_with_client_s": [],
+        "cas_load_from_remote_only_s": [],
     }
     for _ in range(repeats):
         runs["cas_empty_machine_s"].append(from_cas(False))
         runs["cas_base_cached_s"].append(from_cas(True))
         runs["boto3_pt_torch_load_s"].append(from_pt())
         runs["boto3_pt_torch_load_with_client_s"].append(from_pt(own_client=True))
+        runs["cas_load_from_remote_only_s"].append(from_remote_only())
     rows: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
     rows["pt_bytes"] = len(blob.getvalue())
     # The target's figure: boto3's client made before the clock starts (cas opens its remote,

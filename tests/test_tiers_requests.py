@@ -19,6 +19,7 @@ from cas.codecs import codec_by_name
 from cas.objects.keys import ObjectKind, object_key
 from cas.objects.store import ObjectStore
 from cas.repo.config import StoreConfig
+from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
 from tests.helpers import assert_bit_exact
 
@@ -157,3 +158,23 @@ def test_bodies_sent_over_tls_are_not_hashed_for_the_signature(
         client.put_object(Bucket="b", Key="k", Body=b"x" * 1000)
     assert sent["https"] == "UNSIGNED-PAYLOAD"
     assert len(sent["http"]) == 64  # the body's SHA-256
+
+
+def test_a_checkpoint_the_remote_policy_removed_is_not_pushed_again(tmp_path: Path) -> None:
+    """The local tier keeps every checkpoint, the remote its last two: each checkpoint goes up
+    once, and one the remote policy removed stays local-only rather than going up after
+    every save (and being removed again)."""
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    keep_two = RetentionPolicy(rules=(Rule("runs/*/phase*/ckpt_*", keep_last=2),))
+    with CheckpointManager(
+        local, run="r1", signals=False, remote=remote, remote_policy=keep_two
+    ) as mgr:
+        assert mgr.tier is not None
+        for step in range(1, 6):
+            mgr.save(step, _state(step)).result()
+            assert mgr.tier.wait(30).saves == 0
+        mgr.tier.wake()  # a cycle with nothing new: it pushes nothing either
+        lag = mgr.tier.wait(30)
+        assert (mgr.tier.drained, lag.saves, lag.skipped) == (5, 0, 3)
+    assert remote.ref_names("runs/r1/phase1/ckpt_*") == [CKPT.format(s) for s in (4, 5)]
+    assert len(local.ref_names("runs/r1/phase1/ckpt_*")) == 5

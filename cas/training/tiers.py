@@ -6,8 +6,10 @@ commits locally as before and wakes the drain thread, which pushes what the remo
 (``Repository.drain_to``, ``cas.sync.drain``): the checkpoint ref, then ``latest``, then ``best``
 and gates. The loop never waits for the remote; what is queued is derived from the refs (local
 checkpoint refs the remote does not hold), so a run restarted after a crash finishes the drain its
-predecessor left. When more than ``max_pending`` checkpoints wait (the remote is slow or down), the
-ones the remote policy would not keep are passed over for the remote, never the newest one.
+predecessor left. Checkpoints the remote policy would not keep are passed over for the remote,
+never the newest one: pushed, each would be removed right after, and one the local tier keeps
+longer would go up again after each removal. So when the remote falls behind, only what its
+policy keeps queues up; past ``max_pending`` waiting saves the log says so.
 
 Which checkpoints the remote policy keeps is decided by planning it over the local store: the
 pending checkpoints are all there, and a remote holding older checkpoints besides only ever makes
@@ -382,13 +384,17 @@ class RemoteTier:
             return None
 
     def _thin(self, pending: list[PendingCheckpoint]) -> set[str]:
-        """Checkpoints to pass over for the remote: only when more than ``max_pending`` wait,
-        only those the remote policy would not keep, never the newest."""
-        if len(pending) <= self.max_pending or self.policy is None:
+        """Checkpoints to pass over for the remote: those the remote policy would not keep,
+        never the newest. Pushed, each would be removed by that policy right after; and one
+        the local tier keeps longer than the remote would otherwise go up again after every
+        removal (a drain cycle per save pushing each such checkpoint once more)."""
+        if not pending or self.policy is None:
             return set()
+        latest = self.local.find_ref(self.latest)
+        newest = latest.target if latest is not None else pending[-1].target
         dropped = {d.ref for d in self.local.plan_forget(self.policy).dropped}
-        skip = {p.ref for p in pending[:-1] if p.ref in dropped}
-        if skip:
+        skip = {p.ref for p in pending if p.ref in dropped and p.target != newest}
+        if skip and len(pending) > self.max_pending:
             log.warning(
                 "remote tier %s: %d saves behind; passing over %d the remote policy would not "
                 "keep", self.url, len(pending), len(skip),
