@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 import cas
+from cas.digest import Digest
 from cas.testing.seaweed import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, REGION, SeaweedServer, find_weed
 from cas.training.manager import CheckpointManager
 
@@ -374,7 +375,7 @@ def drain_cpu(
     runs: dict[str, list[float]] = {k: [] for k in (
         "cas_drain_client_ms", "cas_drain_server_ms", "boto3_chunks_client_ms",
         "boto3_chunks_server_ms", "boto3_pt_client_ms", "boto3_pt_server_ms")}  # fmt: skip
-    known: frozenset[str] | None = None
+    known: frozenset[Digest] | None = None
 
     def measure(name: str, work: Callable[[], object]) -> None:
         mine, theirs = _cpu_of(None), _cpu_of(server.pid)
@@ -392,7 +393,7 @@ def drain_cpu(
             torch.save(loop.state(), blob)
             tag = uuid.uuid4().hex[:8]
 
-            def drain(ref: str = saved.ref, k: frozenset[str] | None = known) -> None:
+            def drain(ref: str = saved.ref, k: frozenset[Digest] | None = known) -> None:
                 local.drain_to(remote, ref, latest="runs/cpu/latest", known=k)
 
             def put_chunks(blobs: list[bytes] = blobs, tag: str = tag) -> None:
