@@ -14,6 +14,7 @@ from cas.cli import cli
 from cas.repo.config import StoreConfig
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
+from cas.training.run_names import Layout
 from tests.helpers import assert_bit_exact, local_root
 
 CKPT = "runs/r1/phase1/ckpt_phase1_step{:08d}"
@@ -179,3 +180,47 @@ def test_cas_status_shows_the_remote_tier_and_what_it_lacks(tmp_path: Path) -> N
         assert again.tier is not None and again.tier.wait(30).saves == 0
     shown = CliRunner().invoke(cli, store)
     assert f"remote tier  {remote.url}: up to date" in shown.output
+
+
+def test_a_run_resumed_on_a_new_node_goes_on_with_the_history_its_predecessor_drained(
+    tmp_path: Path,
+) -> None:
+    remote = _open(tmp_path / "remote")
+    with CheckpointManager(
+        _open(tmp_path / "node1"), run="r1", signals=False, remote=remote
+    ) as mgr:
+        mgr.record(1, loss=3.0)
+        mgr.save(1, _weights(1)).result()
+        mgr.record(2, loss=2.0)
+        mgr.save(2, _weights(2)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    node2 = _open(tmp_path / "node2")
+    with CheckpointManager(node2, run="r1", signals=False, remote=remote) as mgr:
+        assert mgr.restore("auto").step == 2
+        mgr.record(3, loss=1.0)
+        mgr.save(3, _weights(3)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    losses = [r["loss"] for r in mgr.history.read() if "loss" in r]
+    assert losses == [3.0, 2.0, 1.0]
+    # The remote holds the same history: a third node would go on from all of it.
+    assert remote.resolve("runs/r1/history") == node2.resolve("runs/r1/history")
+
+
+def test_a_per_phase_latest_moves_on_the_remote_for_each_phase_the_run_saves_in(
+    tmp_path: Path,
+) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    layout = Layout(latest="{run}/phase{phase}/latest")
+    with CheckpointManager(local, run="r1", signals=False, remote=remote, layout=layout) as mgr:
+        mgr.save(1, _weights(1)).result()
+        mgr.phase = 2
+        mgr.save(2, _weights(2)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    for phase in (1, 2):
+        ref = f"runs/r1/phase{phase}/latest"
+        assert remote.resolve(ref) == local.resolve(ref)
+    # A new node resumes from the phase the run was last in.
+    with CheckpointManager(
+        _open(tmp_path / "node2"), run="r1", signals=False, remote=remote, layout=layout, phase=2
+    ) as mgr:
+        assert mgr.restore("auto").step == 2

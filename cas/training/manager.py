@@ -440,7 +440,9 @@ class CheckpointManager(RunRefs):
             retention_error,
             mirror_error,
             damaged,
-            self.tier.notify(prepared.ref, prepared.meta["saved_at"], new) if self.tier else None,
+            self.tier.notify(prepared.ref, prepared.meta["saved_at"], new, latest)
+            if self.tier
+            else None,
         )
         self._last_result = result
         return result

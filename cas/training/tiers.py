@@ -86,12 +86,13 @@ def explain_full_disk(tier: RemoteTier | None) -> Iterator[None]:
 
 def run_selectors(layout: Layout, run: str, phase: int = 1) -> tuple[str, str, list[str]]:
     """Globs of a run's checkpoint refs, its ``latest`` ref (of ``phase``, for a per-phase
-    ``latest``), and globs of its pointers (best, gates)."""
+    ``latest``), and of the refs that follow them (best, gates, the training history)."""
     checkpoint = re.sub(r"\{step[^}]*\}", "*", layout.checkpoint)
     checkpoints = checkpoint.format(run=run, phase="*")
     best = layout.best.format(run=run, phase="*")
     gates = layout.gate.format(run=run, phase="*", name="*")
-    return checkpoints, layout.latest.format(run=run, phase=phase), [best, gates]
+    history = layout.history.format(run=run)
+    return checkpoints, layout.latest.format(run=run, phase=phase), [best, gates, history]
 
 
 class RemoteTier:
@@ -143,6 +144,8 @@ class RemoteTier:
         """ref -> the sequence number of its latest ``notify``: a scan that began before it
         cannot have seen it."""
         self._error: str | None = None
+        self._latest_of: dict[str, str] = {}
+        """ref -> the ``latest`` its save moved (the save's phase's), for its drain."""
         self._known: frozenset[Digest] | None = None
         """The chunks of the checkpoint drained last: the remote held them a moment ago, so the
         next drain asks for none of them (a checkpoint shares most chunks with the one before)
@@ -229,9 +232,15 @@ class RemoteTier:
             policy=policy, max_pending=max_pending,
         )  # fmt: skip
 
-    def notify(self, ref: str, saved_at: float, new_bytes: int) -> TierLag:
-        """A save committed ``ref`` locally: queue it for the remote; the lag, this save included."""
+    def notify(
+        self, ref: str, saved_at: float, new_bytes: int, latest: str | None = None
+    ) -> TierLag:
+        """A save committed ``ref`` locally and moved ``latest`` to it (a per-phase ``latest``
+        names the save's phase): queue it for the remote; the lag, this save included."""
         with self._cond:
+            if latest is not None:
+                self._latest_of[ref] = latest
+                self.latest = latest  # the run's phase now: a resume looks here too
             self._pending[ref] = (saved_at, new_bytes)
             self._sequence += 1
             self._notified[ref] = self._sequence
@@ -348,8 +357,10 @@ class RemoteTier:
             known, self._known = self._known, None  # unknown again until this drain succeeds
             report = None
             try:
+                with self._cond:
+                    latest = self._latest_of.get(item.ref, self.latest)
                 report = self.local.drain_to(
-                    self.remote, item.ref, latest=self.latest, pointers=self.pointers,
+                    self.remote, item.ref, latest=latest, pointers=self.pointers,
                     hold_back=hold, jobs=self.jobs, known=known,
                 )  # fmt: skip
                 self._known = self._chunks_of(item.target)
@@ -361,6 +372,7 @@ class RemoteTier:
                 # remote policy does not keep; a re-save replaced it: the next cycle has it.
             with self._cond:
                 self._pending.pop(item.ref, None)
+                self._latest_of.pop(item.ref, None)
                 self.drained += 1
                 if report is not None and report.transfer is not None:
                     self.sent_bytes += report.transfer.wire_bytes
@@ -423,6 +435,7 @@ class RemoteTier:
                     fresh.setdefault(ref, value)
             self._pending = fresh
             self._skipped = skip & set(fresh)
+            self._latest_of = {r: v for r, v in self._latest_of.items() if r in fresh}
             self._scanned = True
 
     def guard(self, plan: ForgetPlan) -> ForgetPlan:
@@ -494,13 +507,21 @@ class RemoteTier:
         ref = remote.history[-1].message if remote.history else ""
         if not ref:
             return None
-        self.local.pull(there, [ref], jobs=self.jobs)
+        # The run's history comes along onto a node that has none, so appends go on from it.
+        extra = [
+            h for h in self._histories() if self.local.find_ref(h) is None and there.find_ref(h)
+        ]
+        self.local.pull(there, [ref, *extra], jobs=self.jobs)
         self.local.set_ref(
             self.latest, remote.target, expected=local.target if local else None,
             op="pull", message=ref, overwrite=True,
         )  # fmt: skip
         log.info("resuming from the remote tier: pulled %s from %s", ref, self.url)
         return ref
+
+    def _histories(self) -> list[str]:
+        """The pointers that are exact ref names (a run's history), not globs."""
+        return [p for p in self.pointers if not any(c in p for c in "*?[")]
 
     def heal(self, ref: str, digest: Digest) -> bool:
         """Restore the checkpoint ``digest`` (named ``ref``) from the remote after a local read
