@@ -4,6 +4,7 @@ its own retention, and a run resumes from whichever tier holds the newest good c
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -224,3 +225,26 @@ def test_a_per_phase_latest_moves_on_the_remote_for_each_phase_the_run_saves_in(
         _open(tmp_path / "node2"), run="r1", signals=False, remote=remote, layout=layout, phase=2
     ) as mgr:
         assert mgr.restore("auto").step == 2
+
+
+def test_remote_retry_sets_how_soon_a_failed_drain_is_tried_again(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-yet"
+    blocker.write_text("a file where the remote's parent directory should be")
+    remote_dir = blocker / "remote"  # opening it fails until the file makes way
+    with CheckpointManager(
+        _open(tmp_path / "local"), run="r1", signals=False, remote=str(remote_dir),
+        remote_retry=0.05,
+    ) as mgr:  # fmt: skip
+        assert mgr.tier is not None
+        mgr.save(1, _weights(1)).result()
+        deadline = time.monotonic() + 10
+        while mgr.tier.lag().error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mgr.tier.lag().error is not None  # the first attempt failed
+        blocker.unlink()
+        blocker.mkdir()
+        # Retries 0.05 s, 0.1 s, 0.2 s... apart reach it well within the default first 2 s.
+        deadline = time.monotonic() + 1.5
+        while mgr.tier.lag().saves and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mgr.tier.lag().saves == 0

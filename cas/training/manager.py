@@ -108,6 +108,7 @@ class CheckpointManager(RunRefs):
         remote: Repository | str | None = None,
         remote_policy: RetentionPolicy | None = None,
         remote_queue: int = 8,
+        remote_retry: float = 2.0,
         config: Any = None,
         system_hash: str | None = None,
         schema_version: int | None = None,
@@ -144,7 +145,7 @@ class CheckpointManager(RunRefs):
         self.run_id = self.run.rsplit("/", 1)[-1]
         self.history = TrainingHistory(repo, layout.history.format(run=self.run))
         self.tier = RemoteTier.of_run(
-            repo, remote, layout, self.run, phase, remote_policy, remote_queue
+            repo, remote, layout, self.run, phase, remote_policy, remote_queue, remote_retry
         )
         self._pending_records: list[HistoryRecord] = []
         self._records_lock = threading.Lock()

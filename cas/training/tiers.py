@@ -205,13 +205,15 @@ class RemoteTier:
         phase: int,
         policy: RetentionPolicy | None,
         max_pending: int,
+        retry: float = 2.0,
     ) -> RemoteTier | None:
         """``CheckpointManager``'s tier: None without a ``remote``, else ``for_run``."""
         if remote is None:
             return None
         return cls.for_run(
-            local, remote, layout, run, policy=policy, max_pending=max_pending, phase=phase
-        )
+            local, remote, layout, run, policy=policy, max_pending=max_pending, phase=phase,
+            retry=retry,
+        )  # fmt: skip
 
     @classmethod
     def for_run(
@@ -224,12 +226,15 @@ class RemoteTier:
         policy: RetentionPolicy | None,
         max_pending: int,
         phase: int = 1,
+        retry: float = 2.0,
     ) -> RemoteTier:
-        """The remote tier of the run ``run`` (its ``runs/<id>`` prefix) under ``layout``."""
+        """The remote tier of the run ``run`` (its ``runs/<id>`` prefix) under ``layout``;
+        ``retry``: seconds before a failed drain is tried again (doubled per failure, to 60 s
+        or ``retry`` if that is longer)."""
         checkpoints, latest, pointers = run_selectors(layout, run, phase)
         return cls(
             local, remote, checkpoints=checkpoints, latest=latest, pointers=pointers,
-            policy=policy, max_pending=max_pending,
+            policy=policy, max_pending=max_pending, retry=retry, max_retry=max(60.0, retry),
         )  # fmt: skip
 
     def notify(
