@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import cas.blobstore.direct as direct
 from cas.blobstore.local import TMP_DIR, LocalBlobStore
 from cas.errors import BackendError
 from cas.objects.envelope import HEADER_SIZE
+from cas.objects.staging import StagingPool
 from tests.helpers import ref_chunk_paths
 
 pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this platform has no O_DIRECT")
@@ -181,9 +183,7 @@ def test_small_blobs_and_ordinary_stores_go_through_the_page_cache(tmp_path: Pat
     assert background.get("big") == big
 
 
-def test_a_managers_background_saves_skip_the_page_cache_and_plain_saves_do_not(
-    tmp_path: Path,
-) -> None:
+def test_new_chunks_of_plain_and_background_saves_skip_the_page_cache(tmp_path: Path) -> None:
     import torch
 
     import cas
@@ -197,9 +197,10 @@ def test_a_managers_background_saves_skip_the_page_cache_and_plain_saves_do_not(
 
     plain, background = ref_chunk_paths(repo, "plain/ckpt"), ref_chunk_paths(repo, ref)
     assert plain and background
-    assert all(in_page_cache(p, p.stat().st_size) for p in plain)
-    assert not any(in_page_cache(p, p.stat().st_size) for p in background)
+    # A full save writes new bytes only: through the staging pool and past the page cache.
+    assert not any(in_page_cache(p, p.stat().st_size) for p in plain + background)
     assert torch.equal(repo.load(ref)["state"]["w"], state["w"] + 1)
+    assert torch.equal(repo.load("plain/ckpt")["w"], state["w"])
 
 
 def test_a_filesystem_refusing_o_direct_gets_buffered_writes_from_then_on(
@@ -286,17 +287,19 @@ def test_an_async_save_copies_each_chunk_once_and_writes_it_from_that_copy(
         staged.extend(memoryview(t.view(-1).view(torch.uint8).numpy()) for t in leaves(copied))
         return copied
 
-    # The chunk door hashes and writes one private reading of each chunk (invariant 9); the
-    # copy is laid out like the staging buffers, so the direct write still sends it in place.
+    # The chunk door hashes and writes one private reading of each chunk (invariant 9): a buffer
+    # leased from the staging pool, laid out so the direct write sends it in place.
     private: list[memoryview] = []
-    real_copy = cas.objects.private._aligned_copy
+    real_lease = StagingPool.lease
 
-    def aligned_copy(view: memoryview) -> memoryview:
-        private.append(real_copy(view))
-        return private[-1]
+    @contextlib.contextmanager
+    def lease(self: StagingPool, nbytes: int) -> Iterator[Any]:
+        with real_lease(self, nbytes) as staged:
+            private.append(memoryview(staged))
+            yield staged
 
     monkeypatch.setattr(Stager, "snapshot", snapshot)
-    monkeypatch.setattr(cas.objects.private, "_aligned_copy", aligned_copy)
+    monkeypatch.setattr(StagingPool, "lease", lease)
     calls = record_iovecs(monkeypatch)
     repo = cas.open(tmp_path / "store")
     state = {"w": torch.randn(2 * MiB // 4), "b": torch.randn(16)}  # one 2 MiB chunk, one inline

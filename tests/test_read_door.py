@@ -34,6 +34,7 @@ DOOR = CAS / "objects" / "readcheck.py"
 # Where hashing is not a read check: naming new bytes, and hashes that are no content digests.
 NAMING = {
     ("objects/store.py", "put_chunk"),  # the name of the bytes a writer stores
+    ("objects/store.py", "_put_private"),
     ("objects/store.py", "put_manifest"),
     ("objects/encoding.py", "_first_new_chunk"),  # which chunks of a tensor a parent holds
     ("blobstore/local.py", "_key_lock"),  # a lock file's name

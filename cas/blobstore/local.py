@@ -81,9 +81,10 @@ class LocalBlobStore(BlobStore):
 
     With ``direct_io=True`` (what ``for_background_writes`` returns) blobs from 1 MiB to 64 MiB,
     chunks in practice, are written with ``O_DIRECT`` where the filesystem takes it
-    (``cas.blobstore.direct``): a background save then costs a training loop far less CPU, but
-    what it wrote is not in the page cache and reads back slower at first, so it is not the
-    default.
+    (``cas.blobstore.direct``): no fresh page-cache pages are faulted in, so a full save runs
+    near the disk's speed and a background save costs a training loop far less CPU.
+    ``ObjectStore`` writes every new chunk through such a handle; manifests, refs and small
+    blobs stay buffered here.
     """
 
     def __init__(
@@ -284,17 +285,14 @@ class LocalBlobStore(BlobStore):
             dirs, self._dirty_dirs = self._dirty_dirs, set()
         if not self._fsync:
             return
-        pending = list(dirs)
-        while pending:
-            try:
-                with disk_errors("making durable the directory", pending[-1]):
-                    _fsync_dir(pending[-1])
-            except BackendError:
+        failed: list[Path] = []
+        try:
+            _fsync_dirs(list(dirs), failed)
+        finally:
+            if failed:
                 # Still not durable: the next sync tries these again rather than forget them.
                 with self._dirty_lock:
-                    self._dirty_dirs.update(pending)
-                raise
-            pending.pop()
+                    self._dirty_dirs.update(failed)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -430,6 +428,42 @@ class LocalBlobStore(BlobStore):
                 path.unlink()
                 if self._fsync:
                     _fsync_dir(path.parent)
+
+
+SYNC_THREADS = 16
+"""Directories fsynced at once by ``sync``. A save of 1 GiB in 4 MiB chunks touches some 200
+chunk directories; fsynced one after another they cost 0.1 s (a journal commit each), while
+concurrent fsyncs share commits."""
+
+
+def _fsync_dirs(dirs: list[Path], failed: list[Path]) -> None:
+    """fsync every directory of ``dirs``, several at once; those not made durable are added to
+    ``failed`` and the first error is raised once all have been tried."""
+    if len(dirs) <= 2:
+        for index, directory in enumerate(dirs):
+            try:
+                with disk_errors("making durable the directory", directory):
+                    _fsync_dir(directory)
+            except BackendError:
+                failed.extend(dirs[index:])
+                raise
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(directory: Path) -> BackendError | None:
+        try:
+            with disk_errors("making durable the directory", directory):
+                _fsync_dir(directory)
+        except BackendError as e:
+            return e
+        return None
+
+    with ThreadPoolExecutor(min(SYNC_THREADS, len(dirs))) as pool:
+        errors = list(pool.map(one, dirs))
+    failed.extend(d for d, e in zip(dirs, errors, strict=True) if e is not None)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def _fsync_dir(directory: Path) -> None:

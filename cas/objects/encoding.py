@@ -42,7 +42,8 @@ from cas.model.manifest import ChunkRef, Manifest, TensorEntry
 from cas.objects.chains import STANDALONE, Chain, ChainIndex, ChunkCache, encoding_record
 from cas.objects.chunking import Cut
 from cas.objects.chunkio import Progress, WriteStats
-from cas.objects.private import Encoding, private_view
+from cas.objects.private import PRIVATE_ALIGN_MIN, Encoding, private_view
+from cas.objects.staging import staging_pool
 from cas.objects.store import MAX_DELTA_DEPTH, ObjectStore, chunk_key
 
 AUTO = "auto"
@@ -207,6 +208,10 @@ class ByteSource(Protocol):
 
     def read(self, offset: int, size: int) -> bytes:
         """``size`` bytes from ``offset``."""
+        ...
+
+    def read_into(self, offset: int, out: Any) -> None:
+        """Fill the writable buffer ``out`` with the bytes from ``offset``."""
         ...
 
 
@@ -456,11 +461,31 @@ class TensorWriter:
     def _put(self, target: TensorTarget, planned: Future[_Plan], index: int) -> ChunkResult:
         plan = planned.result()
         encoded = plan.encoded[1] if plan.encoded and plan.encoded[0] == index else None
+        cut = target.cuts[index]
+        from_file = not isinstance(target.data, memoryview)
+        if encoded is None and not self._deltas and from_file and cut.size >= PRIVATE_ALIGN_MIN:
+            # A file's chunk is read straight into the staging pool: that one read is the
+            # private copy the door hashes and writes (past the page cache).
+            with staging_pool().lease(cut.size) as staged:
+                target.data.read_into(cut.offset, staged)  # type: ignore[union-attr]
+                return self._put_read(target, plan, index, memoryview(staged), None)
+        return self._put_read(target, plan, index, None, encoded)
+
+    def _put_read(
+        self,
+        target: TensorTarget,
+        plan: _Plan,
+        index: int,
+        staged: memoryview | None,
+        encoded: Encoding | None,
+    ) -> ChunkResult:
         # With deltas, one private reading of the chunk serves every put below and the delta
         # cache, so a source that changes meanwhile still stores bytes that match their name;
         # without, the door reads privately whatever it writes.
         chunk: bytes | memoryview
-        if encoded is not None:
+        if staged is not None:
+            chunk = staged
+        elif encoded is not None:
             chunk = encoded.source
         elif self._deltas:
             chunk = bytes(target.chunk(index))

@@ -83,14 +83,14 @@ def _aligned_copy(view: memoryview) -> memoryview:
 
     room = np.empty(view.nbytes + _PAGE, dtype=np.uint8)
     start = (PAYLOAD_OFFSET - room.ctypes.data) % _PAGE
-    copy = room[start : start + view.nbytes].view(_private_copy_class())
+    copy = room[start : start + view.nbytes].view(private_copy_class())
     copy[:] = np.frombuffer(view, dtype=np.uint8)
     copy.flags.writeable = False
     return memoryview(copy)
 
 
 @functools.cache
-def _private_copy_class() -> type[Any]:
+def private_copy_class() -> type[Any]:
     """The array type of ``private_view``'s copies, made on first use (numpy loads lazily)."""
     import numpy as np
 
@@ -100,8 +100,15 @@ def _private_copy_class() -> type[Any]:
     return PrivateCopy
 
 
+def copy_into(target: Any, source: memoryview) -> None:
+    """Copy ``source`` over the uint8 array ``target`` of the same size, with the GIL released."""
+    import numpy as np
+
+    np.copyto(target, np.frombuffer(source, dtype=np.uint8))
+
+
 def _is_private_copy(obj: object) -> bool:
-    return _private_copy_class.cache_info().currsize > 0 and isinstance(obj, _private_copy_class())
+    return private_copy_class.cache_info().currsize > 0 and isinstance(obj, private_copy_class())
 
 
 @dataclass(frozen=True)

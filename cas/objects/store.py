@@ -11,7 +11,6 @@ import contextlib
 import mmap
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from cas.blobstore.base import BlobStore, open_local_blob
 from cas.blobstore.bulk import DEFAULT_WORKERS, read_into
@@ -33,8 +32,18 @@ from cas.objects.envelope import (
     parse_envelope,
 )
 from cas.objects.keys import ObjectKind, StoredObject, object_key
-from cas.objects.private import Encoding, ReuseOdds, is_private, private_view
+from cas.objects.private import (
+    PRIVATE_ALIGN_MIN,
+    Encoding,
+    ReuseOdds,
+    copy_into,
+    is_private,
+    private_view,
+)
 from cas.objects.quarantine import Quarantine, QuarantineRecord
+from cas.objects.results import CopiedObject as CopiedObject
+from cas.objects.results import PutResult as PutResult
+from cas.objects.staging import staging_pool
 from cas.objects.sweep import Sweeper, sweeper_for
 
 DEFAULT_HINTS = EncodeHints()
@@ -53,37 +62,6 @@ def chunk_key(digest: Digest) -> str:
 def manifest_key(digest: Digest) -> str:
     """The blob key of a manifest."""
     return object_key(ObjectKind.MANIFEST, digest)
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What storing one chunk did: ``stored_bytes`` is 0 when the chunk already existed."""
-
-    digest: Digest
-    size: int
-    stored_bytes: int
-    new: bool
-    base: Digest | None = None
-    """The chunk the *stored* encoding is against (delta codecs), for a new chunk and an existing
-    one alike: a writer that reuses a chunk must record its base chain in the manifest (GC reads
-    manifests only). When a concurrent writer stored the chunk first, this is that writer's base,
-    whatever this call encoded against, and ``new`` is False."""
-
-
-@dataclass(frozen=True)
-class CopiedObject:
-    """What ``ObjectStore.copy`` did with one object."""
-
-    kind: ObjectKind
-    digest: Digest
-    created: bool
-    """False when the destination held the object already: its own encoding stayed."""
-    size: int
-    """Decoded bytes."""
-    stored_bytes: int
-    """Encoded bytes as stored here (what was written when ``created``)."""
-    base: Digest | None
-    """The delta base the copied encoding needs (it must travel too)."""
 
 
 class ObjectStore:
@@ -106,7 +84,7 @@ class ObjectStore:
         self.chains = ChainDecoder(blobs, max_object_size)
         self._examining = threading.local()
         self._reuse = ReuseOdds()
-        self._cold = blobs.for_background_writes()  # new chunks of a mostly reused save
+        self._cold = blobs.for_background_writes()  # new chunks, past the page cache
 
     def has_chunk(self, digest: Digest) -> bool:
         """Whether the chunk is stored."""
@@ -128,8 +106,9 @@ class ObjectStore:
         This is the one door through which chunks are written, and it keeps invariant 9: the
         digest is computed here, from the very buffer that is then encoded and written. Bytes
         (or a view of bytes) cannot change and are used as they are; any other buffer (a tensor,
-        an mmap, a bytearray) is first copied into a private one, so a caller whose memory or
-        file changes meanwhile stores a consistent chunk, never one whose bytes are not its name.
+        an mmap, a bytearray) is first copied into a private one (a buffer leased from the staging
+        pool, ``cas.objects.staging``, from 1 MiB on), so a caller whose memory or file changes
+        meanwhile stores a consistent chunk, never one whose bytes are not its name.
         ``expected`` is the digest the caller believes the bytes have: IntegrityError if not.
         ``encoded`` is an ``Encoding`` made ahead (a codec trial), used only if it was made from
         this very ``data`` with this codec.
@@ -143,7 +122,6 @@ class ObjectStore:
         chain is broken (safe against any writer: a standalone chunk needs no base). Decoded
         bytes, hence identity, never change.
         """
-        blobs = self.blobs
         if not replace and not is_private(data) and self._reuse.likely():
             # Probe where the bytes lie: a reuse writes nothing, so it needs no private reading
             # (invariant 9 is about what is written); a miss falls through to one.
@@ -152,11 +130,26 @@ class ObjectStore:
                 reused = self._reused(probed, memoryview(data).nbytes, freshen)
                 if reused is not None:
                     return reused
-            if self._reuse.likely():
-                # A new chunk among mostly reused ones (a re-save's changed tensors) goes past
-                # the page cache, which costs a re-save as much CPU as hashing every byte.
-                blobs = self._cold
-        view = private_view(data)
+        view = memoryview(data).cast("B")
+        if is_private(view) or view.nbytes < PRIVATE_ALIGN_MIN:
+            return self._put_private(
+                data, private_view(view), codec, hints, expected, freshen, replace, encoded
+            )
+        # A large chunk of memory someone else may change: one copy into the staging pool, which
+        # is private, warm, and laid out for a direct write past the page cache.
+        with staging_pool().lease(view.nbytes) as staged:
+            copy_into(staged, view)
+            return self._put_private(
+                data, memoryview(staged), codec, hints, expected, freshen, replace, encoded
+            )
+
+    def _put_private(
+        self, data: object, view: memoryview, codec: Codec, hints: EncodeHints,
+        expected: Digest | None, freshen: bool, replace: bool, encoded: Encoding | None,
+    ) -> PutResult:  # fmt: skip
+        """``put_chunk`` once ``view`` is a private reading of ``data``: hash it, encode it and
+        write it create-only unless stored. New chunks go past the page cache where the store
+        can (``for_background_writes``): a full save then never faults in fresh cache pages."""
         digest = digest_of(view)
         if expected is not None and digest != expected:
             raise IntegrityError(f"bytes given as chunk {expected} hash to {digest}; not stored")
@@ -173,7 +166,7 @@ class ObjectStore:
         if replace:
             self.blobs.put(key, (header, payload))
         else:
-            outcome = self._create(digest, (header, payload), freshen, len(view), blobs)
+            outcome = self._create(digest, (header, payload), freshen, len(view), self._cold)
             if outcome is None:
                 # Damaged, or gone again after every lost create: overwrite it, standalone, so
                 # whichever of several repairing writers lands last, no manifest needs its base.

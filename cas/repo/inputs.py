@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from cas.errors import FormatError
 
@@ -71,6 +72,16 @@ class InputFile:
                 raise InputChanged(self.path, "it became shorter")
             data += more
         return data
+
+    def read_into(self, offset: int, out: Any) -> None:
+        """Fill the writable buffer ``out`` with the bytes from ``offset`` (no buffer of their
+        own: ingest reads into the staging pool); InputChanged if the file ends before."""
+        view = memoryview(out).cast("B")
+        while view:
+            got = os.preadv(self._fd, [view], offset)
+            if not got:
+                raise InputChanged(self.path, "it became shorter")
+            view, offset = view[got:], offset + got
 
     def check_unchanged(self) -> None:
         """InputChanged unless the file's status is still what it was before the first read."""

@@ -1,0 +1,186 @@
+"""The staging pool: a save's private copies reuse a bounded set of buffers across saves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cas
+from cas.errors import CASError
+from cas.objects import staging
+from cas.objects.private import PAYLOAD_OFFSET, is_private
+from cas.objects.staging import StagingPool, pool_limit
+from tests.helpers import ref_chunk_paths
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tensors(count: int, seed: int, mib: int = 2) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(mib * MiB // 4, generator=gen) for i in range(count)}
+
+
+def test_leases_are_private_page_laid_out_and_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    real = staging._mapping
+
+    def mapping(size: int) -> object:
+        made.append(size)
+        return real(size)
+
+    monkeypatch.setattr(staging, "_mapping", mapping)
+    pool = StagingPool(8 * MiB)
+    for _ in range(5):
+        with pool.lease(3 * MiB) as staged:
+            assert is_private(memoryview(staged)) and staged.nbytes == 3 * MiB
+            assert staged.ctypes.data % 4096 == PAYLOAD_OFFSET  # where a chunk payload lies
+            staged[:] = 7
+        with pool.lease(2 * MiB):  # smaller: the same buffer serves it
+            pass
+    assert len(made) == 1 and pool.held == made[0] <= 8 * MiB
+
+
+def test_a_lease_past_the_bound_waits_for_one_to_be_returned() -> None:
+    pool = StagingPool(4 * MiB)
+    order: list[str] = []
+    first = pool.lease(3 * MiB)
+    first.__enter__()
+
+    def second() -> None:
+        with pool.lease(3 * MiB):
+            order.append("second")
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    time.sleep(0.2)
+    order.append("first returned")
+    first.__exit__(None, None, None)
+    waiter.join(5)
+    assert order == ["first returned", "second"]
+    assert pool.peak <= 4 * MiB
+
+
+def test_a_lease_larger_than_the_pool_is_served_and_not_kept() -> None:
+    pool = StagingPool(2 * MiB)
+    with pool.lease(5 * MiB) as staged:
+        staged[:] = 1
+    assert pool.held == 0
+
+
+def test_many_savers_never_hold_more_than_the_bound(tmp_path: Path) -> None:
+    pool = StagingPool(6 * MiB)
+    held: list[int] = []
+
+    def worker() -> None:
+        for _ in range(20):
+            with pool.lease(MiB + 4096 * 3) as staged:
+                held.append(pool.held)
+                staged[:] = 0
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert max(held) <= 6 * MiB and pool.peak <= 6 * MiB
+
+
+def test_saves_copy_into_the_process_pool_and_store_what_they_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    real = staging._mapping
+
+    def mapping(size: int) -> object:
+        made.append(size)
+        return real(size)
+
+    monkeypatch.setattr(staging, "_mapping", mapping)
+    leased: list[int] = []
+    real_lease = StagingPool.lease
+
+    def lease(self: StagingPool, nbytes: int) -> object:
+        leased.append(nbytes)
+        return real_lease(self, nbytes)
+
+    monkeypatch.setattr(StagingPool, "lease", lease)
+    repo = cas.open(tmp_path / "store")
+    first = tensors(24, 1)
+    repo.save(first, "runs/a")
+    repo.save(tensors(24, 2), "runs/b")  # all new bytes again: the same buffers serve them
+    # 48 chunks copied privately, through at most one buffer per chunk worker.
+    assert leased == [2 * MiB] * 48 and len(made) <= 8
+    pool = staging.staging_pool()
+    assert 0 < pool.held <= pool.limit
+    back = repo.load("runs/a")
+    assert all(bool((back[k] == v).all()) for k, v in first.items())
+
+
+def test_cas_put_reads_file_chunks_into_the_pool_and_dedups_with_a_save(tmp_path: Path) -> None:
+    import torch
+
+    state = tensors(3, 3)
+    torch.save(state, tmp_path / "state.pt")
+    repo = cas.open(tmp_path / "store")
+    repo.save(state, "runs/saved")
+    leased: list[int] = []
+    real = StagingPool.lease
+
+    def counting(self: StagingPool, nbytes: int) -> object:
+        leased.append(nbytes)
+        return real(self, nbytes)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StagingPool, "lease", counting)
+        repo.put_path(tmp_path / "state.pt", "files/state")
+    assert leased == [2 * MiB] * 3  # each tensor's chunk read once, into a staging buffer
+    assert set(ref_chunk_paths(repo, "runs/saved")) <= set(ref_chunk_paths(repo, "files/state"))
+    repo.get_path("files/state", tmp_path / "back.pt")
+    assert (tmp_path / "back.pt").read_bytes() == (tmp_path / "state.pt").read_bytes()
+
+
+def test_the_bound_is_set_by_cas_staging_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CAS_STAGING_POOL", "256M")
+    assert pool_limit() == 256 * MiB
+    monkeypatch.setenv("CAS_STAGING_POOL", "lots")
+    with pytest.raises(CASError, match="CAS_STAGING_POOL='lots' is not a size"):
+        pool_limit()
+    with pytest.raises(CASError, match="below 1 MiB"):
+        StagingPool(4096)
+
+
+def test_a_bad_pool_size_is_one_line_from_the_cli(tmp_path: Path) -> None:
+    import torch
+
+    src = tmp_path / "big.pt"
+    torch.save(tensors(1, 4), src)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cas", "--store", str(tmp_path / "s"), "put", str(src), "f/big"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "", "PYTHONPATH": str(ROOT), "CAS_STAGING_POOL": "lots"},
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and "CAS_STAGING_POOL" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_saves_peak_memory_above_its_state_stays_within_the_pool(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_rss.py"), "cas", str(tmp_path),
+         "--size-gb", "0.25"],
+        capture_output=True, text=True, check=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    ).stdout  # fmt: skip
+    report = json.loads(out.strip().splitlines()[-1])
+    assert 0 < report["pool_peak"] <= report["pool_limit"]
+    assert report["peak_above_state"] <= report["pool_limit"]
