@@ -307,6 +307,11 @@ class RemoteTier:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join()
+        with self._opening:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            with contextlib.suppress(CASError, OSError):
+                reader.close()  # the read-only handle a resume opened: its connections
         if lag.saves:
             log.warning(
                 "remote tier %s: %d saves (%d bytes) not drained; the next run with this store "
