@@ -179,3 +179,52 @@ def test_a_checkpoint_the_remote_policy_removed_is_not_pushed_again(tmp_path: Pa
         assert (mgr.tier.drained, lag.saves, lag.skipped) == (5, 0, 3)
     assert remote.ref_names("runs/r1/phase1/ckpt_*") == [CKPT.format(s) for s in (4, 5)]
     assert len(local.ref_names("runs/r1/phase1/ckpt_*")) == 5
+
+
+def test_a_checkpoint_passed_over_is_not_asked_for_on_the_remote_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    keep_two = RetentionPolicy(rules=(Rule("runs/*/phase*/ckpt_*", keep_last=2),))
+    asked_at: list[int] = []  # the save during whose drain the remote was asked for step 1
+    current = [0]
+    refs = remote.stores.refs
+    original = refs.try_get
+
+    def try_get(name: str) -> Any:
+        if name == CKPT.format(1):
+            asked_at.append(current[0])
+        return original(name)
+
+    monkeypatch.setattr(refs, "try_get", try_get)
+    with CheckpointManager(
+        local, run="r1", signals=False, remote=remote, remote_policy=keep_two
+    ) as mgr:
+        assert mgr.tier is not None
+        for step in range(1, 9):
+            current[0] = step
+            mgr.save(step, _state(step)).result()
+            assert mgr.tier.wait(30).saves == 0
+    # Step 1 left the remote at the third save's forget and was passed over at the fourth;
+    # the four drains after that ask the remote nothing about it.
+    assert asked_at and max(asked_at) <= 4
+
+
+def test_a_gate_promoted_onto_a_checkpoint_passed_over_brings_it_to_the_remote(
+    tmp_path: Path,
+) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    rule = Rule("runs/*/phase*/ckpt_*", keep_last=1, protect_targets_of=("runs/*/gates/*",))
+    policy = RetentionPolicy(rules=(rule,))
+    with CheckpointManager(
+        local, run="r1", signals=False, best=("loss", "min"), remote=remote, remote_policy=policy
+    ) as mgr:
+        assert mgr.tier is not None
+        for step, loss in ((1, 1.0), (2, 3.0), (3, 2.0)):
+            mgr.save(step, _state(step), {"loss": loss}).result()
+            assert mgr.tier.wait(30).saves == 0
+        assert remote.ref_names("runs/r1/phase1/ckpt_*") == [CKPT.format(3)]
+        mgr.promote_gate("bc_best")  # from best: step 1, which the remote let go
+        assert mgr.tier.wait(30).saves == 0
+    assert remote.resolve(CKPT.format(1)) == local.resolve(CKPT.format(1))
+    assert remote.resolve("runs/r1/gates/bc_best") == local.resolve(CKPT.format(1))

@@ -7,7 +7,7 @@ and ``cas.repo.archive`` adds freeing what was archived.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from cas.digest import Digest
 from cas.objects.recode import KEEP
@@ -86,10 +86,16 @@ class TransferOperations:
             codec=codec,
         )
 
-    def pending_on(self, remote: TransferOperations, selector: str) -> list[PendingCheckpoint]:
+    def pending_on(
+        self,
+        remote: TransferOperations,
+        selector: str,
+        absent: Mapping[str, Digest] | None = None,
+    ) -> list[PendingCheckpoint]:
         """The refs ``selector`` picks here that ``remote`` lacks or holds at another manifest,
-        oldest first (``cas.sync.drain``)."""
-        return pending_checkpoints(self.stores, remote.stores, selector)
+        oldest first; those ``absent`` names at their target are not asked for
+        (``cas.sync.drain``)."""
+        return pending_checkpoints(self.stores, remote.stores, selector, absent)
 
     def drain_to(
         self,

@@ -144,6 +144,11 @@ class RemoteTier:
         """ref -> the sequence number of its latest ``notify``: a scan that began before it
         cannot have seen it."""
         self._error: str | None = None
+        self._passed: dict[str, Digest] = {}
+        """ref -> target of the checkpoints passed over for the remote (its policy would not keep
+        them): a later cycle neither asks the remote for them nor plans them again, until a
+        pointer moves (``wake``: a gate may now protect one)."""
+        self._replan = False
         self._latest_of: dict[str, str] = {}
         """ref -> the ``latest`` its save moved (the save's phase's), for its drain."""
         self._known: frozenset[Digest] | None = None
@@ -264,6 +269,7 @@ class RemoteTier:
     def wake(self) -> None:
         """Run a drain cycle soon (a gate or ``best`` moved without a save)."""
         with self._cond:
+            self._replan = True  # a gate may protect a checkpoint passed over so far
             self._wanted = True
             self._cond.notify_all()
 
@@ -355,7 +361,11 @@ class RemoteTier:
             began = self._sequence
         if self._remote is None and not self._has_work():
             return
-        pending = self.local.pending_on(self.remote, self.checkpoints)
+        with self._cond:
+            replan, self._replan = self._replan, False
+        if replan:
+            self._passed.clear()
+        pending = self.local.pending_on(self.remote, self.checkpoints, self._passed)
         skip = self._thin(pending)
         self._remember(pending, skip, began)
         todo = [p for p in pending if p.ref not in skip]
@@ -414,8 +424,13 @@ class RemoteTier:
             return set()
         latest = self.local.find_ref(self.latest)
         newest = latest.target if latest is not None else pending[-1].target
-        dropped = {d.ref for d in self.local.plan_forget(self.policy).dropped}
-        skip = {p.ref for p in pending if p.ref in dropped and p.target != newest}
+        undecided = [
+            p for p in pending if p.target != newest and self._passed.get(p.ref) != p.target
+        ]
+        if undecided:  # a plan reads every local checkpoint: only when there is news
+            dropped = {d.ref for d in self.local.plan_forget(self.policy).dropped}
+            self._passed.update({p.ref: p.target for p in undecided if p.ref in dropped})
+        skip = {p.ref for p in pending if self._passed.get(p.ref) == p.target != newest}
         if skip and len(pending) > self.max_pending:
             log.warning(
                 "remote tier %s: %d saves behind; passing over %d the remote policy would not "
@@ -447,6 +462,7 @@ class RemoteTier:
             self._skipped = skip & set(fresh)
             self._latest_of = {r: v for r, v in self._latest_of.items() if r in fresh}
             self._scanned = True
+        self._passed = {r: t for r, t in self._passed.items() if r in fresh}
 
     def guard(self, plan: ForgetPlan) -> ForgetPlan:
         """``plan`` with the checkpoints it drops that the remote policy keeps and the remote
