@@ -130,12 +130,15 @@ def test_resume_on_an_empty_machine_pulls_the_newest_checkpoint_from_the_remote(
     restored = mgr.restore("auto")
     assert (restored.mode, restored.step, restored.ref) == ("resume", 2, CKPT.format(2))
     assert_bit_exact(restored.state, {**base, **_weights(2)})
+    # Loaded straight from the remote (the base read here): nothing written locally yet.
+    assert _chunk_files(new_node) == chunks_before
+    mgr.close()  # the next save, or the close, keeps the checkpoint in the local tier
+    assert new_node.resolve("runs/r1/latest") == remote.resolve(CKPT.format(2))
     # Only what the base does not hold travelled (the head and the RNG states).
     wanted = set(new_node.manifest(CKPT.format(2)).chunk_digests())
     travelled = _chunk_files(new_node) - chunks_before
     assert travelled == wanted - chunks_before
     assert 0 < len(travelled) < len(wanted) // 4
-    mgr.close()
 
 
 def test_a_corrupt_local_chunk_is_healed_from_the_remote_on_resume(tmp_path: Path) -> None:

@@ -228,3 +228,36 @@ def test_a_gate_promoted_onto_a_checkpoint_passed_over_brings_it_to_the_remote(
         assert mgr.tier.wait(30).saves == 0
     assert remote.resolve(CKPT.format(1)) == local.resolve(CKPT.format(1))
     assert remote.resolve("runs/r1/gates/bc_best") == local.resolve(CKPT.format(1))
+
+
+def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = _open(tmp_path / "remote")
+    with CheckpointManager(
+        _open(tmp_path / "node1"), run="r1", signals=False, remote=remote
+    ) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    node2 = _open(tmp_path / "node2")
+    node2.save({"frozen": _state(0)["frozen"]}, "models/base")  # the base, cached here
+    cached = set(node2.manifest("models/base").chunk_digests())
+    read: list[str] = []
+    blobs = remote.objects.blobs
+    for name in ("get", "get_range"):
+        original = getattr(blobs, name)
+
+        def counted(key: str, *args: Any, _original: Any = original) -> Any:
+            read.append(key)
+            return _original(key, *args)
+
+        monkeypatch.setattr(blobs, name, counted)
+    mgr = CheckpointManager(node2, run="r1", signals=False, remote=remote)
+    restored = mgr.restore("auto")
+    assert_bit_exact(restored.state, _state(2))
+    chunks = {k.rsplit("/", 1)[-1] for k in read if k.startswith("chunks/")}
+    wanted = set(remote.manifest(CKPT.format(2)).chunk_digests())
+    assert chunks == wanted - cached  # the head and the RNG states, none of the base
+    assert cached & wanted
+    mgr.close()

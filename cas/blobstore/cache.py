@@ -118,3 +118,46 @@ class CachingBlobStore(BlobStoreWrapper):
     @property
     def supports_rename(self) -> bool:
         return False
+
+
+class LocalFirstBlobStore(BlobStoreWrapper):
+    """``remote`` (the wrapped store) for reading, with keys under ``prefixes`` tried in ``local``
+    first and nothing written to either: a checkpoint loaded from a remote store this way takes
+    the objects this machine holds already from here (a cached base model does not travel).
+
+    Only for immutable, content-addressed keys, and only reads: whatever the caller loads is
+    verified against its digests on the way, whichever side it came from.
+    """
+
+    def __init__(self, local: BlobStore, remote: BlobStore, *, prefixes: tuple[str, ...]) -> None:
+        super().__init__(remote)
+        self.local = local
+        self.prefixes = prefixes
+
+    def get(self, key: str) -> bytes:
+        if key.startswith(self.prefixes):
+            try:
+                return self.local.get(key)
+            except NotFound:
+                pass
+        return self.inner.get(key)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        if key.startswith(self.prefixes) and end > start:
+            try:
+                return self.local.get_range(key, start, end)
+            except NotFound:
+                pass
+        return self.inner.get_range(key, start, end)
+
+    def close(self) -> None:
+        """Nothing: both stores belong to the repositories that opened them."""
+
+    @property
+    def local_root(self) -> Path | None:
+        """None: reads go through ``get``, which picks the side."""
+        return None
+
+    @property
+    def supports_rename(self) -> bool:
+        return False

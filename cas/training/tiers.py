@@ -34,6 +34,7 @@ from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import TIERS_SECTION, PendingCheckpoint, TierLag
 from cas.training.async_save import lower_thread_priority
 from cas.training.run_names import Layout
+from cas.training.tier_resume import Newer, RemoteResume
 
 log = logging.getLogger("cas.training.tiers")
 
@@ -95,7 +96,7 @@ def run_selectors(layout: Layout, run: str, phase: int = 1) -> tuple[str, str, l
     return checkpoints, layout.latest.format(run=run, phase=phase), [best, gates, history]
 
 
-class RemoteTier:
+class RemoteTier(RemoteResume):
     """The background drain of one run into a remote store, and the local policy's guard."""
 
     def __init__(
@@ -117,6 +118,8 @@ class RemoteTier:
         self.local = local
         self._remote: Repository | None = remote if isinstance(remote, Repository) else None
         self._reader: Repository | None = None
+        self._adopting: Newer | None = None
+        """A checkpoint a resume loaded from the remote, for the local tier (``settle``)."""
         self._remote_url = remote.url if isinstance(remote, Repository) else remote
         self._opening = threading.Lock()
         self.checkpoints = checkpoints
@@ -176,22 +179,6 @@ class RemoteTier:
             if self._remote is None:
                 self._remote = open_remote(self._remote_url)
             return self._remote
-
-    def reader(self) -> Repository | None:
-        """The remote for reads (a resume, a heal): the drain's handle once it is open, else a
-        read-only one, so a resume waits for no probe of conditional writes and takes no lease
-        there; None if no store is there yet (nothing to resume from)."""
-        with self._opening:
-            if self._remote is not None:
-                return self._remote
-            if self._reader is None:
-                from cas.repo.opening import open as open_store
-
-                try:
-                    self._reader = open_store(self._remote_url, readonly=True)
-                except NotFound:
-                    return None  # the first run: the drain creates the store
-            return self._reader
 
     def _has_work(self) -> bool:
         """Whether the local store holds anything of the run to drain: a new node's does not,
@@ -503,81 +490,3 @@ class RemoteTier:
         """``Repository.forget(policy)`` on the local store, sparing what ``guard`` spares."""
         self.local.take_snapshots(policy)
         return self.guard(self.local.plan_forget(policy)).execute()
-
-    def pull_newer(self) -> str | None:
-        """If the remote's ``latest`` names a later checkpoint than the local one (or the local
-        store has none), pull it (only the chunks missing here) and point the local ``latest``
-        at it; the checkpoint ref pulled, else None (also when the remote cannot be read: the
-        local tier is used as it is)."""
-        try:
-            return self._pull_newer()
-        except CASError as e:
-            log.warning("remote tier %s unreadable, resuming from the local tier: %s",
-                        self.url, e)  # fmt: skip
-            return None
-
-    def _pull_newer(self) -> str | None:
-        there = self.reader()
-        if there is None:
-            return None
-        remote = there.find_ref(self.latest)
-        if remote is None:
-            return None
-        local = self.local.find_ref(self.latest)
-        if local is not None and local.target == remote.target:
-            return None
-        if local is not None and _position(self.local, local.target) >= _position(
-            there, remote.target
-        ):
-            return None
-        ref = remote.history[-1].message if remote.history else ""
-        if not ref:
-            return None
-        # The run's history comes along onto a node that has none, so appends go on from it.
-        extra = [
-            h for h in self._histories() if self.local.find_ref(h) is None and there.find_ref(h)
-        ]
-        self.local.pull(there, [ref, *extra], jobs=self.jobs)
-        self.local.set_ref(
-            self.latest, remote.target, expected=local.target if local else None,
-            op="pull", message=ref, overwrite=True,
-        )  # fmt: skip
-        log.info("resuming from the remote tier: pulled %s from %s", ref, self.url)
-        return ref
-
-    def _histories(self) -> list[str]:
-        """The pointers that are exact ref names (a run's history), not globs."""
-        return [p for p in self.pointers if not any(c in p for c in "*?[")]
-
-    def heal(self, ref: str, digest: Digest) -> bool:
-        """Restore the checkpoint ``digest`` (named ``ref``) from the remote after a local read
-        found it damaged or incomplete; whether the remote had it."""
-        try:
-            remote = self.reader()
-            there = remote.find_ref(ref) if remote is not None else None
-            if remote is None or there is None or there.target != digest:
-                return False
-            mine = self.local.find_ref(ref)
-            if mine is not None and mine.target == digest:
-                self.local.repair_from(remote, [ref])
-            else:
-                self.local.pull(remote, [ref], jobs=self.jobs)
-        except CASError as e:
-            log.warning("could not heal %s from %s: %s", ref, self.url, e)
-            return False
-        log.warning("healed %s from the remote tier %s", ref, self.url)
-        return True
-
-
-def _position(repo: Repository, digest: Digest) -> tuple[int, int, float]:
-    """``(phase, step, saved at)`` of a manager checkpoint, for which of two is later."""
-    try:
-        meta = repo.manifest(digest).meta
-    except NotFound:
-        return (-1, -1, 0.0)
-    phase, step, saved = meta.get("phase", 0), meta.get("step", 0), meta.get("saved_at", 0.0)
-    return (
-        phase if isinstance(phase, int) else 0,
-        step if isinstance(step, int) else 0,
-        float(saved) if isinstance(saved, (int, float)) else 0.0,
-    )
