@@ -27,6 +27,7 @@ The cache grows without bound; delete its directory (or some of it) whenever you
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -129,10 +130,22 @@ class LocalFirstBlobStore(BlobStoreWrapper):
     verified against its digests on the way, whichever side it came from.
     """
 
-    def __init__(self, local: BlobStore, remote: BlobStore, *, prefixes: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        local: BlobStore,
+        remote: BlobStore,
+        *,
+        prefixes: tuple[str, ...],
+        remembered: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(remote)
         self.local = local
         self.prefixes = prefixes
+        self.remembered = remembered
+        """Keys read from ``remote`` more than once by one load (a manifest: for its checks,
+        then for its chunks), kept after the first read: small, and immutable."""
+        self._kept: dict[str, bytes] = {}
+        self._lock = threading.Lock()
 
     def get(self, key: str) -> bytes:
         if key.startswith(self.prefixes):
@@ -140,7 +153,15 @@ class LocalFirstBlobStore(BlobStoreWrapper):
                 return self.local.get(key)
             except NotFound:
                 pass
-        return self.inner.get(key)
+        if not key.startswith(self.remembered):
+            return self.inner.get(key)
+        with self._lock:
+            kept = self._kept.get(key)
+        if kept is None:
+            kept = self.inner.get(key)
+            with self._lock:
+                self._kept[key] = kept
+        return kept
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         if key.startswith(self.prefixes) and end > start:

@@ -79,7 +79,9 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         if self.store_key is not None or remote.store_key is not None:
             return None
         objects = ("chunks/", "manifests/")  # content-addressed: the same bytes on either side
-        blobs = LocalFirstBlobStore(self.blobs, remote.blobs, prefixes=objects)
+        blobs = LocalFirstBlobStore(
+            self.blobs, remote.blobs, prefixes=objects, remembered=("manifests/",)
+        )
         return Repository(
             ReadOnlyBlobStore(blobs), remote.config, clock=remote.clock, owns_blobs=False,
             read_limits=remote.read_limits,
