@@ -152,20 +152,6 @@ class RemoteResume:
         )  # fmt: skip
         log.info("resumed from the remote tier: pulled %s from %s", newer.ref, self._remote_url)
 
-    def pull_newer(self) -> str | None:
-        """Pull the remote's newer checkpoint (``newer``) into the local tier and point the
-        local ``latest`` at it; the ref pulled, else None (also when the remote fails)."""
-        newer = self.newer()
-        if newer is None:
-            return None
-        try:
-            self._adopt(newer)
-        except CASError as e:
-            log.warning("remote tier %s unreadable, resuming from the local tier: %s",
-                        self._remote_url, e)  # fmt: skip
-            return None
-        return newer.ref
-
     def _histories(self) -> list[str]:
         """The pointers that are exact ref names (a run's history), not globs."""
         return [p for p in self.pointers if not any(c in p for c in "*?[")]
