@@ -21,7 +21,7 @@ from cas.objects.store import ObjectStore
 from cas.repo.config import StoreConfig
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
-from tests.helpers import assert_bit_exact
+from tests.helpers import assert_bit_exact, local_root
 
 CKPT = "runs/r1/phase1/ckpt_phase1_step{:08d}"
 
@@ -261,3 +261,27 @@ def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
     assert chunks == wanted - cached  # the head and the RNG states, none of the base
     assert cached & wanted
     mgr.close()
+
+
+def test_a_resume_that_finds_a_cached_base_chunk_corrupt_heals_it_from_the_remote(
+    tmp_path: Path,
+) -> None:
+    remote = _open(tmp_path / "remote")
+    with CheckpointManager(
+        _open(tmp_path / "node1"), run="r1", signals=False, remote=remote
+    ) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    node2 = _open(tmp_path / "node2")
+    node2.save({"frozen": _state(0)["frozen"]}, "models/base")
+    digest = next(iter(node2.manifest("models/base").chunk_digests()))
+    path = local_root(node2) / f"chunks/{digest[:2]}/{digest}"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with CheckpointManager(node2, run="r1", signals=False, remote=remote) as mgr:
+        restored = mgr.restore("auto")
+        assert (restored.step, restored.fallbacks) == (2, [])
+        assert_bit_exact(restored.state, _state(2))
+    assert_bit_exact(node2.load("models/base")["frozen"], _state(0)["frozen"])
