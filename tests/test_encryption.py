@@ -16,6 +16,7 @@ import pytest
 import cas
 from cas.blobstore import LocalBlobStore
 from cas.blobstore.appendonly import AppendOnly
+from cas.blobstore.base import BytesLike, Payload
 from cas.blobstore.sealed import SealedBlobStore, StoreKey
 from cas.errors import IntegrityError
 from cas.repo.keys import KeyRequired, WrongKey
@@ -93,6 +94,70 @@ def test_a_push_between_stores_sharing_a_key_copies_only_missing_objects(tmp_pat
     names_b = {p.name for p in (tmp_path / "b" / "chunks").rglob("*") if p.is_file()}
     assert names_a == names_b  # one key, one name per content: the stores dedup together
     assert np.array_equal(b.load("runs/r1/two")["marked"], state()["marked"])
+
+
+def test_a_push_between_stores_sharing_a_key_copies_objects_as_they_are_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = cas.open(tmp_path / "a", key=PASSPHRASE)
+    b = cas.open(tmp_path / "b", key="another passphrase", key_from=a)
+    a.save(state(0), "runs/r1/one")
+    a.push(b, ["runs/r1/one"])
+    a.save({**state(0), "w": state(1)["w"]}, "runs/r1/two")
+    sealed: list[str] = []
+    seal = SealedBlobStore.seal
+
+    def counted_seal(
+        self: SealedBlobStore, key: str, data: Payload, into: memoryview | None = None
+    ) -> list[BytesLike]:
+        sealed.append(key)
+        return seal(self, key, data, into)
+
+    monkeypatch.setattr(SealedBlobStore, "seal", counted_seal)
+    second = a.push(b, ["runs/r1/two"])
+    assert second.chunks_moved == 1  # only the changed tensor's chunk was missing
+    assert not [key for key in sealed if key.startswith(("chunks/", "manifests/"))]
+    for kind in ("chunks", "manifests"):
+        files_a = {p.relative_to(tmp_path / "a"): p for p in (tmp_path / "a" / kind).rglob("*")}
+        for name, path in files_a.items():
+            if path.is_file():
+                assert (tmp_path / "b" / name).read_bytes() == path.read_bytes(), name
+    assert np.array_equal(b.load("runs/r1/two")["w"], state(1)["w"])
+
+
+def test_an_encrypted_load_reads_chunk_files_straight_into_the_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = cas.open(tmp_path / "s", key=PASSPHRASE)
+    saved = {"big": np.arange(3 << 20, dtype="f4"), **state()}  # several 4 MiB chunks
+    repo.save(saved, "runs/r1/ckpt")
+    assert repo.blobs.reads_in_place
+    whole: list[str] = []
+    get = SealedBlobStore.get
+
+    def counted_get(self: SealedBlobStore, key: str) -> bytes:
+        whole.append(key)
+        return get(self, key)
+
+    monkeypatch.setattr(SealedBlobStore, "get", counted_get)
+    loaded = repo.load("runs/r1/ckpt")
+    assert all(np.array_equal(loaded[name], value) for name, value in saved.items())
+    assert not [key for key in whole if key.startswith("chunks/")]
+
+
+def test_background_writes_of_an_encrypted_store_stay_sealed_and_go_past_the_page_cache(
+    tmp_path: Path,
+) -> None:
+    repo = cas.open(tmp_path / "s", key=PASSPHRASE)
+    writer = repo.for_background_writes()
+    sealed = writer.blobs
+    assert isinstance(sealed, SealedBlobStore) and sealed is not repo.blobs
+    assert isinstance(sealed.inner, LocalBlobStore) and sealed.inner.direct_io
+    marked = np.frombuffer(PATTERN * (1 << 16), dtype=np.uint8).copy()  # 2 MiB: written direct
+    writer.save({"marked": marked}, "runs/r1/ckpt")
+    for path in stored_files(tmp_path / "s"):
+        assert PATTERN not in path.read_bytes(), path
+    assert np.array_equal(repo.load("runs/r1/ckpt")["marked"], marked)
 
 
 def test_a_push_to_a_plain_store_reseals_only_what_is_missing(tmp_path: Path) -> None:

@@ -29,6 +29,8 @@ class AppendOnly(ReadOnlyError):
 class AppendOnlyBlobStore(BlobStoreWrapper):
     """Forwards everything but deletes of ``PROTECTED_PREFIXES``, which raise ``AppendOnly``."""
 
+    READS_THROUGH = True
+
     def _check(self, key: str) -> None:
         if key.startswith(PROTECTED_PREFIXES):
             self._refuse(f"deleting {key!r}")

@@ -272,6 +272,14 @@ class BlobStore(ABC):
         """Whether blobs are files to read into a caller's buffers, cheaper than ``get``."""
         return self.local_root is not None
 
+    def read_into_buffers(self, key: str, start: int, outs: Sequence[memoryview]) -> int | None:
+        """Fill ``outs`` in order with the blob's bytes from ``start`` by a path of this store's
+        own, and return how many were read (fewer only at the blob's end); None when it has
+        none, and ``bulk.read_into`` reads ``local_path`` or a range. A sealed store decrypts a
+        local file straight into ``outs`` here (``cas.blobstore.sealed``).
+        """
+        return None
+
     def local_path(self, key: str) -> Path | None:
         """The file that holds ``key`` (it may not exist) when ``local_root`` is set, else None."""
         root = self.local_root

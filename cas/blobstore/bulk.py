@@ -48,9 +48,13 @@ def read_into(store: BlobStore, key: str, start: int, outs: Sequence[memoryview]
     """Fill ``outs`` in order with the blob's bytes from ``start``; return how many were read.
 
     Fewer than the buffers hold are read only at the blob's end. Where the store's blobs are
-    local files this is one open and, as a rule, one ``preadv`` straight into the buffers;
-    elsewhere one ranged read, copied over.
+    local files this is one open and, as a rule, one ``preadv`` straight into the buffers; a
+    store with a way of its own uses it (``BlobStore.read_into_buffers``); elsewhere one ranged
+    read, copied over.
     """
+    own = store.read_into_buffers(key, start, outs)
+    if own is not None:
+        return own
     wanted = sum(len(out) for out in outs)
     path = store.local_path(key)
     if path is None:

@@ -54,6 +54,13 @@ class CachingBlobStore(BlobStoreWrapper):
         self.prefixes = prefixes
         self._verify = verify
 
+    def rewrapped(self, wrap: Callable[[BlobStore], BlobStore]) -> CachingBlobStore:
+        """The same cache with ``wrap`` applied to its local and its remote store alike (each
+        sealed under a store's key: ``cas.blobstore.sealed.sealed_store``)."""
+        return CachingBlobStore(
+            wrap(self.local), wrap(self.remote), prefixes=self.prefixes, verify=self._verify
+        )
+
     def cacheable(self, key: str) -> bool:
         """Whether ``key`` names an immutable blob this cache holds copies of."""
         return key.startswith(self.prefixes)

@@ -16,6 +16,8 @@ class ReadOnlyBlobStore(BlobStoreWrapper):
     the files beneath it either (``supports_rename`` is False).
     """
 
+    READS_THROUGH = True
+
     def _refuse(self, key: str) -> NoReturn:
         raise ReadOnlyError(f"store {self.url} is read-only (writing {key!r})")
 

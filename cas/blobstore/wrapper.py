@@ -8,7 +8,7 @@ The read-only wrapper is the exception that proves the rule: it overrides every 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cas.blobstore.base import BlobInfo, BlobStore, BytesLike, Payload, Version
@@ -31,6 +31,12 @@ class BlobStoreWrapper(BlobStore):
     ``for_background_writes`` is not forwarded: the wrapper itself (the default) is the handle a
     background writer gets, so its writes keep going through the wrapper.
     """
+
+    READS_THROUGH = False
+    """Whether reads reach ``inner`` unchanged (read-only and append-only handles): then
+    ``inner``'s own way of reading into a caller's buffers (a sealed store decrypting a local
+    file into them) is this wrapper's too. A wrapper that changes or watches reads (a cache,
+    fault injection, a recorder) reads through its own ``get`` and ``get_range``."""
 
     def __init__(self, inner: BlobStore) -> None:
         self.inner = inner
@@ -102,6 +108,15 @@ class BlobStoreWrapper(BlobStore):
     @property
     def local_root(self) -> Path | None:
         return self.inner.local_root
+
+    @property
+    def reads_in_place(self) -> bool:
+        if self.READS_THROUGH:
+            return self.inner.reads_in_place
+        return self.local_root is not None
+
+    def read_into_buffers(self, key: str, start: int, outs: Sequence[memoryview]) -> int | None:
+        return self.inner.read_into_buffers(key, start, outs) if self.READS_THROUGH else None
 
     @property
     def supports_rename(self) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from cas.blobstore.base import BlobStore, open_local_blob
 from cas.blobstore.bulk import DEFAULT_WORKERS, read_into
+from cas.blobstore.copier import BlobCopier
 from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
@@ -569,15 +570,14 @@ class ObjectStore:
         return decoded
 
     def copy(self, kind: ObjectKind, digest: Digest, to: ObjectStore) -> CopiedObject:
-        """Copy one object into ``to`` as it is stored here (its codec kept), verified first, so
-        corrupt bytes never travel.
-
-        Create-only: an object ``to`` holds already (perhaps a delta against another base,
-        which a manifest there records) keeps its encoding and is refreshed instead, so an
-        age-based GC there spares it. NotFound if it is not stored here.
-        """
+        """Copy one object into ``to`` as it is stored here (its codec kept; its sealed form,
+        between stores of one key: ``BlobCopier``), verified first, so corrupt bytes never travel.
+        Create-only: an object ``to`` holds already (perhaps a delta against another base, which
+        a manifest there records) keeps its encoding and is refreshed instead, so an age-based
+        GC there spares it. NotFound if it is not stored here."""
+        copier = BlobCopier(self.blobs, to.blobs)
         try:
-            blob = self.blobs.get(object_key(kind, digest))
+            blob = copier.get(object_key(kind, digest))
         except NotFound as e:
             raise NotFound(f"{kind.noun} {digest} is missing from {self.url}") from e
         try:
@@ -586,7 +586,7 @@ class ObjectStore:
             raise self._found_corrupt(kind, digest, e, "copy") from e
         envelope = parse_envelope(blob, self.max_object_size)
         base = codec_by_id(envelope.codec_id).base_of(envelope.params)
-        created = to.blobs.put_if_absent(object_key(kind, digest), blob)
+        created = copier.put_if_absent(object_key(kind, digest), blob)
         if not created:
             with contextlib.suppress(NotFound):
                 to.blobs.touch(object_key(kind, digest))

@@ -11,7 +11,7 @@ from typing import Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_for_use
 from cas.blobstore.appendonly import APPEND_ONLY_SECTION, AppendOnlyBlobStore
-from cas.blobstore.sealed import SealedBlobStore, StoreKey
+from cas.blobstore.sealed import StoreKey, sealed_store
 from cas.errors import AlreadyExists, CASError, IntegrityError, NotFound
 from cas.objects.encoding import DeltaSettings
 from cas.objects.keys import parse_object_key
@@ -116,15 +116,12 @@ def open(
         )
     sealed = ENCRYPTION_SECTION in existing.extra
     if sealed:
-        if cache is not None:
-            blobs.close()
-            raise CASError("cache= in front of an encrypted store is not supported")
         try:
             master, slot = open_key(blobs, key)
         except CASError:
             blobs.close()
             raise
-        blobs = SealedBlobStore(blobs, master)
+        blobs = sealed_store(blobs, master)
     elif key is not None or encrypt:
         blobs.close()
         raise CASError(

@@ -106,6 +106,7 @@ class SeaweedServer:
         weed: str | None = None,
         startup_timeout: float = 60.0,
         grace: float = 1.0,
+        s3_config: str | os.PathLike[str] | None = None,
     ) -> None:
         found = weed or find_weed()
         if found is None:
@@ -114,6 +115,9 @@ class SeaweedServer:
         self.data_dir = Path(data_dir).absolute()
         self.startup_timeout = startup_timeout
         self.grace = grace
+        self.s3_config = s3_config
+        """An identities file (``weed s3 -config``): then only its credentials are accepted, and
+        ``client()``'s dummy ones must be among them (with ``Admin``) for the server to start."""
         self.ports = SeaweedPorts.pick_free()
         self.start_seconds: list[float] = []
         self.stop_seconds: list[float] = []
@@ -164,6 +168,7 @@ class SeaweedServer:
             f"-s3.port.grpc={p.s3_grpc}",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            *([f"-s3.config={self.s3_config}"] if self.s3_config is not None else []),
         ]
 
     def client(self, **config: Any) -> Any:
