@@ -285,3 +285,23 @@ def test_a_resume_that_finds_a_cached_base_chunk_corrupt_heals_it_from_the_remot
         assert (restored.step, restored.fallbacks) == (2, [])
         assert_bit_exact(restored.state, _state(2))
     assert_bit_exact(node2.load("models/base")["frozen"], _state(0)["frozen"])
+
+
+def test_a_resume_between_encrypted_tiers_pulls_the_checkpoint_first_and_loads_it(
+    tmp_path: Path,
+) -> None:
+    def sealed(name: str) -> cas.Repository:
+        return cas.open(tmp_path / name, key="tier passphrase", config=StoreConfig(chunk_size=4096))
+
+    remote = sealed("remote")
+    with CheckpointManager(sealed("node1"), run="r1", signals=False, remote=remote) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    node2 = sealed("node2")
+    with CheckpointManager(node2, run="r1", signals=False, remote=remote) as mgr:
+        restored = mgr.restore("auto")
+        assert (restored.mode, restored.step) == ("resume", 2)
+        assert_bit_exact(restored.state, _state(2))
+        # No read through to the remote between two keys: the checkpoint is here already.
+        assert node2.resolve("runs/r1/latest") == remote.resolve(CKPT.format(2))
