@@ -4,6 +4,7 @@ its own retention, and a run resumes from whichever tier holds the newest good c
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from cas.cli import cli
 from cas.repo.config import StoreConfig
 from cas.retention.policy import RetentionPolicy, Rule
 from cas.training.manager import CheckpointManager
+from cas.training.run_names import Layout
 from tests.helpers import assert_bit_exact, local_root
 
 CKPT = "runs/r1/phase1/ckpt_phase1_step{:08d}"
@@ -104,7 +106,9 @@ def test_a_tier_behind_passes_over_what_the_remote_policy_would_not_keep(tmp_pat
     ) as second:
         assert second.tier is not None
         lag = second.tier.wait(30)
-        assert lag.saves == 0 and lag.skipped == 5
+        # Steps 1-3 and 5-7 are passed over, every one (none goes up only to be removed).
+        assert lag.saves == 0 and lag.skipped == 6
+        assert second.tier.drained == 4
     # Kept by the remote policy: every 4th step (4, 8, 10) and the last two (9, 10).
     assert remote.ref_names("runs/r1/phase1/ckpt_*") == [CKPT.format(s) for s in (4, 8, 9, 10)]
     assert remote.resolve("runs/r1/latest") == local.resolve(CKPT.format(10))
@@ -126,12 +130,15 @@ def test_resume_on_an_empty_machine_pulls_the_newest_checkpoint_from_the_remote(
     restored = mgr.restore("auto")
     assert (restored.mode, restored.step, restored.ref) == ("resume", 2, CKPT.format(2))
     assert_bit_exact(restored.state, {**base, **_weights(2)})
+    # Loaded straight from the remote (the base read here): nothing written locally yet.
+    assert _chunk_files(new_node) == chunks_before
+    mgr.close()  # the next save, or the close, keeps the checkpoint in the local tier
+    assert new_node.resolve("runs/r1/latest") == remote.resolve(CKPT.format(2))
     # Only what the base does not hold travelled (the head and the RNG states).
     wanted = set(new_node.manifest(CKPT.format(2)).chunk_digests())
     travelled = _chunk_files(new_node) - chunks_before
     assert travelled == wanted - chunks_before
     assert 0 < len(travelled) < len(wanted) // 4
-    mgr.close()
 
 
 def test_a_corrupt_local_chunk_is_healed_from_the_remote_on_resume(tmp_path: Path) -> None:
@@ -177,3 +184,70 @@ def test_cas_status_shows_the_remote_tier_and_what_it_lacks(tmp_path: Path) -> N
         assert again.tier is not None and again.tier.wait(30).saves == 0
     shown = CliRunner().invoke(cli, store)
     assert f"remote tier  {remote.url}: up to date" in shown.output
+
+
+def test_a_run_resumed_on_a_new_node_goes_on_with_the_history_its_predecessor_drained(
+    tmp_path: Path,
+) -> None:
+    remote = _open(tmp_path / "remote")
+    with CheckpointManager(
+        _open(tmp_path / "node1"), run="r1", signals=False, remote=remote
+    ) as mgr:
+        mgr.record(1, loss=3.0)
+        mgr.save(1, _weights(1)).result()
+        mgr.record(2, loss=2.0)
+        mgr.save(2, _weights(2)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    node2 = _open(tmp_path / "node2")
+    with CheckpointManager(node2, run="r1", signals=False, remote=remote) as mgr:
+        assert mgr.restore("auto").step == 2
+        mgr.record(3, loss=1.0)
+        mgr.save(3, _weights(3)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    losses = [r["loss"] for r in mgr.history.read() if "loss" in r]
+    assert losses == [3.0, 2.0, 1.0]
+    # The remote holds the same history: a third node would go on from all of it.
+    assert remote.resolve("runs/r1/history") == node2.resolve("runs/r1/history")
+
+
+def test_a_per_phase_latest_moves_on_the_remote_for_each_phase_the_run_saves_in(
+    tmp_path: Path,
+) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    layout = Layout(latest="{run}/phase{phase}/latest")
+    with CheckpointManager(local, run="r1", signals=False, remote=remote, layout=layout) as mgr:
+        mgr.save(1, _weights(1)).result()
+        mgr.phase = 2
+        mgr.save(2, _weights(2)).result()
+        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
+    for phase in (1, 2):
+        ref = f"runs/r1/phase{phase}/latest"
+        assert remote.resolve(ref) == local.resolve(ref)
+    # A new node resumes from the phase the run was last in.
+    with CheckpointManager(
+        _open(tmp_path / "node2"), run="r1", signals=False, remote=remote, layout=layout, phase=2
+    ) as mgr:
+        assert mgr.restore("auto").step == 2
+
+
+def test_remote_retry_sets_how_soon_a_failed_drain_is_tried_again(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-yet"
+    blocker.write_text("a file where the remote's parent directory should be")
+    remote_dir = blocker / "remote"  # opening it fails until the file makes way
+    with CheckpointManager(
+        _open(tmp_path / "local"), run="r1", signals=False, remote=str(remote_dir),
+        remote_retry=0.05,
+    ) as mgr:  # fmt: skip
+        assert mgr.tier is not None
+        mgr.save(1, _weights(1)).result()
+        deadline = time.monotonic() + 10
+        while mgr.tier.lag().error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mgr.tier.lag().error is not None  # the first attempt failed
+        blocker.unlink()
+        blocker.mkdir()
+        # Retries 0.05 s, 0.1 s, 0.2 s... apart reach it well within the default first 2 s.
+        deadline = time.monotonic() + 1.5
+        while mgr.tier.lag().saves and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mgr.tier.lag().saves == 0

@@ -27,6 +27,7 @@ The cache grows without bound; delete its directory (or some of it) whenever you
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,6 +121,69 @@ class CachingBlobStore(BlobStoreWrapper):
     @property
     def local_root(self) -> Path | None:
         """None: a cached copy may be missing or stale, so reads go through ``get``."""
+        return None
+
+    @property
+    def supports_rename(self) -> bool:
+        return False
+
+
+class LocalFirstBlobStore(BlobStoreWrapper):
+    """``remote`` (the wrapped store) for reading, with keys under ``prefixes`` tried in ``local``
+    first and nothing written to either: a checkpoint loaded from a remote store this way takes
+    the objects this machine holds already from here (a cached base model does not travel).
+
+    Only for immutable, content-addressed keys, and only reads: whatever the caller loads is
+    verified against its digests on the way, whichever side it came from.
+    """
+
+    def __init__(
+        self,
+        local: BlobStore,
+        remote: BlobStore,
+        *,
+        prefixes: tuple[str, ...],
+        remembered: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(remote)
+        self.local = local
+        self.prefixes = prefixes
+        self.remembered = remembered
+        """Keys read from ``remote`` more than once by one load (a manifest: for its checks,
+        then for its chunks), kept after the first read: small, and immutable."""
+        self._kept: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes:
+        if key.startswith(self.prefixes):
+            try:
+                return self.local.get(key)
+            except NotFound:
+                pass
+        if not key.startswith(self.remembered):
+            return self.inner.get(key)
+        with self._lock:
+            kept = self._kept.get(key)
+        if kept is None:
+            kept = self.inner.get(key)
+            with self._lock:
+                self._kept[key] = kept
+        return kept
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        if key.startswith(self.prefixes) and end > start:
+            try:
+                return self.local.get_range(key, start, end)
+            except NotFound:
+                pass
+        return self.inner.get_range(key, start, end)
+
+    def close(self) -> None:
+        """Nothing: both stores belong to the repositories that opened them."""
+
+    @property
+    def local_root(self) -> Path | None:
+        """None: reads go through ``get``, which picks the side."""
         return None
 
     @property

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cas.blobstore import ReadOnlyBlobStore
+from cas.blobstore.cache import LocalFirstBlobStore
 from cas.digest import Digest
 from cas.errors import FormatError, NotFound, NothingSelected
 from cas.model.describe import DiffEntry, diff_manifests, tensor_table
@@ -69,6 +71,21 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             owns_blobs=False,
             read_limits=self.read_limits,
         )
+
+    def read_through(self, remote: Repository) -> Repository | None:
+        """``remote`` as a read-only store whose chunks and manifests are read here first when
+        this store holds them (a resume from a remote tier: a cached base does not travel).
+        Writes nothing here. None when either store is encrypted (their keys differ)."""
+        if self.store_key is not None or remote.store_key is not None:
+            return None
+        objects = ("chunks/", "manifests/")  # content-addressed: the same bytes on either side
+        blobs = LocalFirstBlobStore(
+            self.blobs, remote.blobs, prefixes=objects, remembered=("manifests/",)
+        )
+        return Repository(
+            ReadOnlyBlobStore(blobs), remote.config, clock=remote.clock, owns_blobs=False,
+            read_limits=remote.read_limits,
+        )  # fmt: skip
 
     def save_shard(self, state: Any, run_id: str, rank: int, world_size: int, **kw: Any) -> Digest:
         """Store this rank's shard of a checkpoint for ``commit_shards`` (see ``cas.repo.shards``)."""

@@ -7,7 +7,7 @@ and ``cas.repo.archive`` adds freeing what was archived.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from cas.digest import Digest
 from cas.objects.recode import KEEP
@@ -86,10 +86,16 @@ class TransferOperations:
             codec=codec,
         )
 
-    def pending_on(self, remote: TransferOperations, selector: str) -> list[PendingCheckpoint]:
+    def pending_on(
+        self,
+        remote: TransferOperations,
+        selector: str,
+        absent: Mapping[str, Digest] | None = None,
+    ) -> list[PendingCheckpoint]:
         """The refs ``selector`` picks here that ``remote`` lacks or holds at another manifest,
-        oldest first (``cas.sync.drain``)."""
-        return pending_checkpoints(self.stores, remote.stores, selector)
+        oldest first; those ``absent`` names at their target are not asked for
+        (``cas.sync.drain``)."""
+        return pending_checkpoints(self.stores, remote.stores, selector, absent)
 
     def drain_to(
         self,
@@ -100,9 +106,11 @@ class TransferOperations:
         pointers: Sequence[str] = (),
         hold_back: Collection[Digest] = (),
         jobs: int = 16,
+        known: Collection[Digest] | None = None,
     ) -> DrainReport:
         """Push one checkpoint ``ref`` to ``remote``, then move its ``latest`` and ``pointers``
-        there in that order, fenced by one writer lease (``cas.sync.drain``)."""
+        there in that order, fenced by one writer lease (``cas.sync.drain``); ``known``: chunks
+        ``remote`` held a moment ago, whose existence is then not asked."""
         return drain_checkpoint(
             self.stores,
             remote.stores,
@@ -111,6 +119,7 @@ class TransferOperations:
             pointers=pointers,
             hold_back=hold_back,
             jobs=jobs,
+            known=known,
         )
 
     def tier_lag(self, remote: TransferOperations, selector: str) -> TierLag:

@@ -20,7 +20,7 @@ holding both stores, finishes a drain its predecessor left.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cas.digest import Digest
@@ -98,12 +98,19 @@ class DrainReport:
     pointers: list[RefUpdate] = field(default_factory=list)
 
 
-def pending_checkpoints(src: Stores, dst: Stores, selector: str) -> list[PendingCheckpoint]:
+def pending_checkpoints(
+    src: Stores, dst: Stores, selector: str, absent: Mapping[str, Digest] | None = None
+) -> list[PendingCheckpoint]:
     """The refs ``selector`` picks in ``src`` that ``dst`` lacks or holds at another manifest,
-    oldest first. One read of ``dst`` per local ref: the local tier holds few, the remote many."""
+    oldest first. One read of ``dst`` per local ref (the local tier holds few, the remote many),
+    except for those ``absent`` names at their current target: known not to be there (a drain
+    passed them over), they are listed without asking."""
     found = []
     for record in src.refs.records(selector):
-        remote = dst.refs.try_get(record.name)
+        if absent is not None and absent.get(record.name) == record.target:
+            remote = None
+        else:
+            remote = dst.refs.try_get(record.name)
         if remote is None or remote.target != record.target:
             changed = record.history[-1].time if record.history else 0.0
             found.append(PendingCheckpoint(record.name, record.target, changed))
@@ -120,14 +127,20 @@ def drain_checkpoint(
     pointers: Sequence[str] = (),
     hold_back: Collection[Digest] = (),
     jobs: int = 16,
+    known: Collection[Digest] | None = None,
 ) -> DrainReport:
     """Push ``ref`` to ``dst``, then move ``latest`` and the ``pointers`` there (module docstring).
 
     ``hold_back``: targets still waiting to be drained; a pointer naming one waits for it.
     ``ref=None`` moves only ``latest`` and the pointers (a gate promoted between saves).
+    ``known``: chunks ``dst`` held a moment ago, so none is asked for (``transfer``).
     """
     with dst.writers.hold("drain"):
-        moved = transfer(src, dst, [ref], jobs=jobs, op="drain") if ref is not None else None
+        moved = (
+            transfer(src, dst, [ref], jobs=jobs, op="drain", known=known)
+            if ref is not None
+            else None
+        )
         report = DrainReport(ref, moved)
         if latest is not None:
             report.latest = advance_latest(src, dst, latest)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -177,6 +177,7 @@ def transfer(
     codec: str = KEEP,
     op: str = "transfer",
     clock: Callable[[], float] = time.monotonic,
+    known: Collection[Digest] | None = None,
 ) -> TransferReport:
     """Make ``dst`` hold what the selected refs of ``src`` name, and point its refs there.
 
@@ -184,9 +185,14 @@ def transfer(
     ``auto``...) re-encodes each copied chunk for the destination (``cas.objects.recode``), e.g. to
     archive compressed. The whole transfer holds a writer lease on ``dst`` (``cas.refs.leases``), so
     a GC running there spares what it copies, and the refs move only while the lease is live.
+
+    ``known``: chunks ``dst`` held a moment ago (a drain's previous checkpoint). With it, no
+    chunk's existence is asked: those in ``known`` count as there (and are refreshed, as every
+    chunk found there is, which re-stores one swept since), the rest go up create-only (one
+    that is there after all is refreshed instead, and costs its bytes on the wire only).
     """
     with dst.writers.hold(op):
-        return _transfer(src, dst, selectors, jobs, progress, codec, op, clock)
+        return _transfer(src, dst, selectors, jobs, progress, codec, op, clock, known)
 
 
 def _transfer(
@@ -198,6 +204,7 @@ def _transfer(
     codec: str,
     op: str,
     clock: Callable[[], float],
+    known: Collection[Digest] | None = None,
 ) -> TransferReport:
     began = clock()
     report = TransferReport(src.url, dst.url)
@@ -215,7 +222,10 @@ def _transfer(
         for digest in manifest.chunk_digests():
             wanted.setdefault(digest, 0)  # a delta base of unknown size; counted when copied
 
-    missing_chunks, report.lookup = dst.objects.missing(ObjectKind.CHUNK, list(wanted))
+    if known is None:
+        missing_chunks, report.lookup = dst.objects.missing(ObjectKind.CHUNK, list(wanted))
+    else:  # a request per chunk saved: the drain knows what its previous checkpoint left there
+        missing_chunks, report.lookup = set(wanted).difference(known), "known"
     missing = [d for d in wanted if d in missing_chunks]
     skipped = [d for d in wanted if d not in missing_chunks]
     report.chunks_skipped = len(skipped)

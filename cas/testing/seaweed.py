@@ -134,6 +134,11 @@ class SeaweedServer:
         return self.data_dir / LOG_NAME
 
     @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs (benchmarks read its CPU time)."""
+        return self._process.pid if self.running and self._process is not None else None
+
+    @property
     def running(self) -> bool:
         """Whether the server process is alive."""
         return self._process is not None and self._process.poll() is None

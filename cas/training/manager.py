@@ -108,6 +108,7 @@ class CheckpointManager(RunRefs):
         remote: Repository | str | None = None,
         remote_policy: RetentionPolicy | None = None,
         remote_queue: int = 8,
+        remote_retry: float = 2.0,
         config: Any = None,
         system_hash: str | None = None,
         schema_version: int | None = None,
@@ -144,7 +145,7 @@ class CheckpointManager(RunRefs):
         self.run_id = self.run.rsplit("/", 1)[-1]
         self.history = TrainingHistory(repo, layout.history.format(run=self.run))
         self.tier = RemoteTier.of_run(
-            repo, remote, layout, self.run, phase, remote_policy, remote_queue
+            repo, remote, layout, self.run, phase, remote_policy, remote_queue, remote_retry
         )
         self._pending_records: list[HistoryRecord] = []
         self._records_lock = threading.Lock()
@@ -372,6 +373,8 @@ class CheckpointManager(RunRefs):
     def _write(self, prepared: PreparedSave) -> SaveResult:
         # One writer lease for the checkpoint, the history append and the pointer refs: a lease
         # is a durable file write and delete, and holding one per commit doubled them per save.
+        if self.tier is not None and self.tier.settle():  # adopted what a resume loaded
+            self._latest_target = self._read_target(self._latest_known)
         with self._write_repo.lease("checkpoint"), explain_full_disk(self.tier):
             return self._write_leased(prepared)
 
@@ -440,7 +443,9 @@ class CheckpointManager(RunRefs):
             retention_error,
             mirror_error,
             damaged,
-            self.tier.notify(prepared.ref, prepared.meta["saved_at"], new) if self.tier else None,
+            self.tier.notify(prepared.ref, prepared.meta["saved_at"], new, latest)
+            if self.tier
+            else None,
         )
         self._last_result = result
         return result
@@ -475,6 +480,8 @@ class CheckpointManager(RunRefs):
             self.triggers.uninstall()
             if self._write_repo is not self.repo:
                 self._write_repo.close()  # its threads only: the store is shared
+            if self.tier is not None:  # a checkpoint a resume loaded from the remote, then history
+                self.tier.settle()
             with self._records_lock:
                 records, self._pending_records = self._pending_records, []
             if records:
@@ -518,9 +525,8 @@ class CheckpointManager(RunRefs):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.wait()
         self._latest_known = self.latest_ref
-        if self.tier is not None and source is None and mode != "fresh":
-            self.tier.pull_newer()  # a later checkpoint on the remote: this node is new
-        self._latest_target = self._read_target(self.latest_ref)
+        newer = self.tier.newer() if self.tier and source is None and mode != "fresh" else None
+        self._latest_target = newer.target if newer else self._read_target(self.latest_ref)
         if mode == "auto":
             mode = "resume" if source is not None or self._latest_target is not None else "fresh"
         if mode == "fresh":
@@ -531,6 +537,8 @@ class CheckpointManager(RunRefs):
             candidates = [(source, self.repo.resolve(source))]
         elif self._latest_target is None:
             raise NotFound(f"run {self.run} has no checkpoint to {mode.replace('_', ' ')} from")
+        elif newer is not None:
+            candidates = [(newer.ref, newer.target)]
         else:
             candidates = resume_candidates(self.repo, self.latest_ref)
 
@@ -543,16 +551,15 @@ class CheckpointManager(RunRefs):
             if not allow_system_change:
                 check_system(ref, meta, self.system_hash)
 
-        found = load_first_good(
-            self.repo,
-            candidates,
-            keys=keys,
-            map_location=map_location,
-            with_rng=mode != "warm_start",
-            check=check,
-            fallback=source is None,
-            heal=self.tier.heal if self.tier is not None else None,
-        )
+        def load(repo: Repository, candidates: Iterable[tuple[str, Digest]]) -> Found:
+            return load_first_good(
+                repo, candidates, keys=keys, map_location=map_location,
+                with_rng=mode != "warm_start", check=check, fallback=source is None,
+                heal=self.tier.heal if self.tier is not None else None,
+            )  # fmt: skip
+
+        tier = self.tier if newer else None
+        found = tier.load_newer(newer, load) if tier and newer else load(self.repo, candidates)
         return self._restored(mode, found, template)
 
     def _restored(self, mode: str, found: Found, template: Any) -> Restored:

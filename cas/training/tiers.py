@@ -6,8 +6,10 @@ commits locally as before and wakes the drain thread, which pushes what the remo
 (``Repository.drain_to``, ``cas.sync.drain``): the checkpoint ref, then ``latest``, then ``best``
 and gates. The loop never waits for the remote; what is queued is derived from the refs (local
 checkpoint refs the remote does not hold), so a run restarted after a crash finishes the drain its
-predecessor left. When more than ``max_pending`` checkpoints wait (the remote is slow or down), the
-ones the remote policy would not keep are passed over for the remote, never the newest one.
+predecessor left. Checkpoints the remote policy would not keep are passed over for the remote,
+never the newest one: pushed, each would be removed right after, and one the local tier keeps
+longer would go up again after each removal. So when the remote falls behind, only what its
+policy keeps queues up; past ``max_pending`` waiting saves the log says so.
 
 Which checkpoints the remote policy keeps is decided by planning it over the local store: the
 pending checkpoints are all there, and a remote holding older checkpoints besides only ever makes
@@ -32,6 +34,7 @@ from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import TIERS_SECTION, PendingCheckpoint, TierLag
 from cas.training.async_save import lower_thread_priority
 from cas.training.run_names import Layout
+from cas.training.tier_resume import Newer, RemoteResume
 
 log = logging.getLogger("cas.training.tiers")
 
@@ -84,15 +87,16 @@ def explain_full_disk(tier: RemoteTier | None) -> Iterator[None]:
 
 def run_selectors(layout: Layout, run: str, phase: int = 1) -> tuple[str, str, list[str]]:
     """Globs of a run's checkpoint refs, its ``latest`` ref (of ``phase``, for a per-phase
-    ``latest``), and globs of its pointers (best, gates)."""
+    ``latest``), and of the refs that follow them (best, gates, the training history)."""
     checkpoint = re.sub(r"\{step[^}]*\}", "*", layout.checkpoint)
     checkpoints = checkpoint.format(run=run, phase="*")
     best = layout.best.format(run=run, phase="*")
     gates = layout.gate.format(run=run, phase="*", name="*")
-    return checkpoints, layout.latest.format(run=run, phase=phase), [best, gates]
+    history = layout.history.format(run=run)
+    return checkpoints, layout.latest.format(run=run, phase=phase), [best, gates, history]
 
 
-class RemoteTier:
+class RemoteTier(RemoteResume):
     """The background drain of one run into a remote store, and the local policy's guard."""
 
     def __init__(
@@ -113,6 +117,9 @@ class RemoteTier:
     ) -> None:
         self.local = local
         self._remote: Repository | None = remote if isinstance(remote, Repository) else None
+        self._reader: Repository | None = None
+        self._adopting: Newer | None = None
+        """A checkpoint a resume loaded from the remote, for the local tier (``settle``)."""
         self._remote_url = remote.url if isinstance(remote, Repository) else remote
         self._opening = threading.Lock()
         self.checkpoints = checkpoints
@@ -140,6 +147,17 @@ class RemoteTier:
         """ref -> the sequence number of its latest ``notify``: a scan that began before it
         cannot have seen it."""
         self._error: str | None = None
+        self._passed: dict[str, Digest] = {}
+        """ref -> target of the checkpoints passed over for the remote (its policy would not keep
+        them): a later cycle neither asks the remote for them nor plans them again, until a
+        pointer moves (``wake``: a gate may now protect one)."""
+        self._replan = False
+        self._latest_of: dict[str, str] = {}
+        """ref -> the ``latest`` its save moved (the save's phase's), for its drain."""
+        self._known: frozenset[Digest] | None = None
+        """The chunks of the checkpoint drained last: the remote held them a moment ago, so the
+        next drain asks for none of them (a checkpoint shares most chunks with the one before)
+        and sends the others without asking either (``transfer``'s ``known``)."""
         self.drained = 0
         """Checkpoints this process pushed to the remote."""
         self.sent_bytes = 0
@@ -162,6 +180,13 @@ class RemoteTier:
                 self._remote = open_remote(self._remote_url)
             return self._remote
 
+    def _has_work(self) -> bool:
+        """Whether the local store holds anything of the run to drain: a new node's does not,
+        and then the drain neither opens the remote nor takes a lease there (a resume from the
+        remote would otherwise share the CPU and the link with it)."""
+        selectors = [self.checkpoints, *self.pointers]
+        return any(self.local.ref_names(selector) for selector in selectors)
+
     @classmethod
     def of_run(
         cls,
@@ -172,13 +197,15 @@ class RemoteTier:
         phase: int,
         policy: RetentionPolicy | None,
         max_pending: int,
+        retry: float = 2.0,
     ) -> RemoteTier | None:
         """``CheckpointManager``'s tier: None without a ``remote``, else ``for_run``."""
         if remote is None:
             return None
         return cls.for_run(
-            local, remote, layout, run, policy=policy, max_pending=max_pending, phase=phase
-        )
+            local, remote, layout, run, policy=policy, max_pending=max_pending, phase=phase,
+            retry=retry,
+        )  # fmt: skip
 
     @classmethod
     def for_run(
@@ -191,17 +218,26 @@ class RemoteTier:
         policy: RetentionPolicy | None,
         max_pending: int,
         phase: int = 1,
+        retry: float = 2.0,
     ) -> RemoteTier:
-        """The remote tier of the run ``run`` (its ``runs/<id>`` prefix) under ``layout``."""
+        """The remote tier of the run ``run`` (its ``runs/<id>`` prefix) under ``layout``;
+        ``retry``: seconds before a failed drain is tried again (doubled per failure, to 60 s
+        or ``retry`` if that is longer)."""
         checkpoints, latest, pointers = run_selectors(layout, run, phase)
         return cls(
             local, remote, checkpoints=checkpoints, latest=latest, pointers=pointers,
-            policy=policy, max_pending=max_pending,
+            policy=policy, max_pending=max_pending, retry=retry, max_retry=max(60.0, retry),
         )  # fmt: skip
 
-    def notify(self, ref: str, saved_at: float, new_bytes: int) -> TierLag:
-        """A save committed ``ref`` locally: queue it for the remote; the lag, this save included."""
+    def notify(
+        self, ref: str, saved_at: float, new_bytes: int, latest: str | None = None
+    ) -> TierLag:
+        """A save committed ``ref`` locally and moved ``latest`` to it (a per-phase ``latest``
+        names the save's phase): queue it for the remote; the lag, this save included."""
         with self._cond:
+            if latest is not None:
+                self._latest_of[ref] = latest
+                self.latest = latest  # the run's phase now: a resume looks here too
             self._pending[ref] = (saved_at, new_bytes)
             self._sequence += 1
             self._notified[ref] = self._sequence
@@ -220,6 +256,7 @@ class RemoteTier:
     def wake(self) -> None:
         """Run a drain cycle soon (a gate or ``best`` moved without a save)."""
         with self._cond:
+            self._replan = True  # a gate may protect a checkpoint passed over so far
             self._wanted = True
             self._cond.notify_all()
 
@@ -263,6 +300,11 @@ class RemoteTier:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join()
+        with self._opening:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            with contextlib.suppress(CASError, OSError):
+                reader.close()  # the read-only handle a resume opened: its connections
         if lag.saves:
             log.warning(
                 "remote tier %s: %d saves (%d bytes) not drained; the next run with this store "
@@ -304,7 +346,13 @@ class RemoteTier:
     def _cycle(self) -> None:
         with self._cond:
             began = self._sequence
-        pending = self.local.pending_on(self.remote, self.checkpoints)
+        if self._remote is None and not self._has_work():
+            return
+        with self._cond:
+            replan, self._replan = self._replan, False
+        if replan:
+            self._passed.clear()
+        pending = self.local.pending_on(self.remote, self.checkpoints, self._passed)
         skip = self._thin(pending)
         self._remember(pending, skip, began)
         todo = [p for p in pending if p.ref not in skip]
@@ -313,11 +361,16 @@ class RemoteTier:
                 if self._stopping:
                     return
             hold = {p.target for p in todo[i + 1 :]}
+            known, self._known = self._known, None  # unknown again until this drain succeeds
+            report = None
             try:
+                with self._cond:
+                    latest = self._latest_of.get(item.ref, self.latest)
                 report = self.local.drain_to(
-                    self.remote, item.ref, latest=self.latest, pointers=self.pointers,
-                    hold_back=hold, jobs=self.jobs,
+                    self.remote, item.ref, latest=latest, pointers=self.pointers,
+                    hold_back=hold, jobs=self.jobs, known=known,
                 )  # fmt: skip
+                self._known = self._chunks_of(item.target)
             except NotFound:
                 now = self.local.find_ref(item.ref)
                 if now is not None and now.target == item.target:
@@ -326,8 +379,10 @@ class RemoteTier:
                 # remote policy does not keep; a re-save replaced it: the next cycle has it.
             with self._cond:
                 self._pending.pop(item.ref, None)
+                self._latest_of.pop(item.ref, None)
                 self.drained += 1
-                self.sent_bytes += report.transfer.wire_bytes if report.transfer else 0
+                if report is not None and report.transfer is not None:
+                    self.sent_bytes += report.transfer.wire_bytes
                 remove = item.ref in self._remove_after
                 self._remove_after.discard(item.ref)
             if remove:
@@ -341,14 +396,29 @@ class RemoteTier:
             except CASError as e:  # a GC holds the remote's maintenance lock: next time
                 log.warning("remote tier %s: its policy did not run: %s", self.url, e)
 
+    def _chunks_of(self, target: Digest) -> frozenset[Digest] | None:
+        try:
+            return frozenset(self.local.manifest(target).chunk_digests())
+        except CASError:
+            return None
+
     def _thin(self, pending: list[PendingCheckpoint]) -> set[str]:
-        """Checkpoints to pass over for the remote: only when more than ``max_pending`` wait,
-        only those the remote policy would not keep, never the newest."""
-        if len(pending) <= self.max_pending or self.policy is None:
+        """Checkpoints to pass over for the remote: those the remote policy would not keep,
+        never the newest. Pushed, each would be removed by that policy right after; and one
+        the local tier keeps longer than the remote would otherwise go up again after every
+        removal (a drain cycle per save pushing each such checkpoint once more)."""
+        if not pending or self.policy is None:
             return set()
-        dropped = {d.ref for d in self.local.plan_forget(self.policy).dropped}
-        skip = {p.ref for p in pending[:-1] if p.ref in dropped}
-        if skip:
+        latest = self.local.find_ref(self.latest)
+        newest = latest.target if latest is not None else pending[-1].target
+        undecided = [
+            p for p in pending if p.target != newest and self._passed.get(p.ref) != p.target
+        ]
+        if undecided:  # a plan reads every local checkpoint: only when there is news
+            dropped = {d.ref for d in self.local.plan_forget(self.policy).dropped}
+            self._passed.update({p.ref: p.target for p in undecided if p.ref in dropped})
+        skip = {p.ref for p in pending if self._passed.get(p.ref) == p.target != newest}
+        if skip and len(pending) > self.max_pending:
             log.warning(
                 "remote tier %s: %d saves behind; passing over %d the remote policy would not "
                 "keep", self.url, len(pending), len(skip),
@@ -377,7 +447,9 @@ class RemoteTier:
                     fresh.setdefault(ref, value)
             self._pending = fresh
             self._skipped = skip & set(fresh)
+            self._latest_of = {r: v for r, v in self._latest_of.items() if r in fresh}
             self._scanned = True
+        self._passed = {r: t for r, t in self._passed.items() if r in fresh}
 
     def guard(self, plan: ForgetPlan) -> ForgetPlan:
         """``plan`` with the checkpoints it drops that the remote policy keeps and the remote
@@ -418,69 +490,3 @@ class RemoteTier:
         """``Repository.forget(policy)`` on the local store, sparing what ``guard`` spares."""
         self.local.take_snapshots(policy)
         return self.guard(self.local.plan_forget(policy)).execute()
-
-    def pull_newer(self) -> str | None:
-        """If the remote's ``latest`` names a later checkpoint than the local one (or the local
-        store has none), pull it (only the chunks missing here) and point the local ``latest``
-        at it; the checkpoint ref pulled, else None (also when the remote cannot be read: the
-        local tier is used as it is)."""
-        try:
-            return self._pull_newer()
-        except CASError as e:
-            log.warning("remote tier %s unreadable, resuming from the local tier: %s",
-                        self.url, e)  # fmt: skip
-            return None
-
-    def _pull_newer(self) -> str | None:
-        remote = self.remote.find_ref(self.latest)
-        if remote is None:
-            return None
-        local = self.local.find_ref(self.latest)
-        if local is not None and local.target == remote.target:
-            return None
-        if local is not None and _position(self.local, local.target) >= _position(
-            self.remote, remote.target
-        ):
-            return None
-        ref = remote.history[-1].message if remote.history else ""
-        if not ref:
-            return None
-        self.local.pull(self.remote, [ref], jobs=self.jobs)
-        self.local.set_ref(
-            self.latest, remote.target, expected=local.target if local else None,
-            op="pull", message=ref, overwrite=True,
-        )  # fmt: skip
-        log.info("resuming from the remote tier: pulled %s from %s", ref, self.url)
-        return ref
-
-    def heal(self, ref: str, digest: Digest) -> bool:
-        """Restore the checkpoint ``digest`` (named ``ref``) from the remote after a local read
-        found it damaged or incomplete; whether the remote had it."""
-        try:
-            there = self.remote.find_ref(ref)
-            if there is None or there.target != digest:
-                return False
-            mine = self.local.find_ref(ref)
-            if mine is not None and mine.target == digest:
-                self.local.repair_from(self.remote, [ref])
-            else:
-                self.local.pull(self.remote, [ref], jobs=self.jobs)
-        except CASError as e:
-            log.warning("could not heal %s from %s: %s", ref, self.url, e)
-            return False
-        log.warning("healed %s from the remote tier %s", ref, self.url)
-        return True
-
-
-def _position(repo: Repository, digest: Digest) -> tuple[int, int, float]:
-    """``(phase, step, saved at)`` of a manager checkpoint, for which of two is later."""
-    try:
-        meta = repo.manifest(digest).meta
-    except NotFound:
-        return (-1, -1, 0.0)
-    phase, step, saved = meta.get("phase", 0), meta.get("step", 0), meta.get("saved_at", 0.0)
-    return (
-        phase if isinstance(phase, int) else 0,
-        step if isinstance(step, int) else 0,
-        float(saved) if isinstance(saved, (int, float)) else 0.0,
-    )

@@ -66,7 +66,7 @@ def make_client(options: S3Options, *, create_only: bool = False) -> Any:
         connect_timeout=options.connect_timeout,
         read_timeout=options.read_timeout,
         retries={"mode": "standard", "total_max_attempts": 1},
-        s3={"addressing_style": addressing} if addressing else None,
+        s3=s3_settings(endpoint, addressing),
         # Payloads are verified end to end by blake3, and several S3-compatible servers reject
         # the aws-chunked checksum trailers botocore sends by default since 1.36.
         request_checksum_calculation="when_required",
@@ -84,6 +84,23 @@ def make_client(options: S3Options, *, create_only: bool = False) -> Any:
             "before-parameter-build.s3.CompleteMultipartUpload", _complete_only_if_absent
         )
     return client
+
+
+def s3_settings(endpoint: str | None, addressing: str | None) -> dict[str, Any]:
+    """botocore's ``s3`` settings: the addressing style, and no SHA-256 of each request body
+    over TLS (AWS when no endpoint is named, or an ``https://`` one).
+
+    Without a checksum header (none is sent, see ``make_client``) botocore hashes every body
+    it signs, a pass over each chunk a drain sends. Over TLS the transport already guards the
+    bytes, and each chunk is checked by its blake3 digest when read back; over plain HTTP the
+    signature is the only guard in transit, so bodies stay signed there.
+    """
+    settings: dict[str, Any] = {}
+    if addressing:
+        settings["addressing_style"] = addressing
+    if endpoint is None or endpoint.lower().startswith("https://"):
+        settings["payload_signing_enabled"] = False
+    return settings
 
 
 def _complete_only_if_absent(params: dict[str, Any], **_: Any) -> None:
