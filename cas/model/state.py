@@ -14,9 +14,11 @@ it comes back bit-exact without being densified.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -476,37 +478,39 @@ def _tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: to
 HUGE_MIN = 4 << 20
 """Tensors from this size on are loaded into memory advised for transparent huge pages."""
 _HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+"""Linux's ``MADV_HUGEPAGE`` (``mmap.MADV_HUGEPAGE`` is the same number, where Python has it)."""
 
 
 def byte_buffer(nbytes: int) -> torch.Tensor:
     """An uninitialised flat uint8 CPU tensor of ``nbytes``, for reads to fill.
 
-    A large one is its own anonymous mapping advised for transparent huge pages, where the
-    kernel offers them: a load writes every byte of fresh memory, and faulting it in 4 KiB pages
-    cost more than the read itself (1 GiB: 0.45 s with ``torch.empty``, 0.10 s in huge pages on
-    this VM; docs/design.md). The tensor keeps its mapping alive and unmaps it when freed.
+    A large one is advised for transparent huge pages, where the kernel offers them, before a
+    read first writes it: a load writes every byte of its memory, and memory the allocator takes
+    fresh from the kernel faulted in 4 KiB at a time cost more than the read itself (1 GiB on
+    this VM: 0.45 s with 4 KiB pages, 0.10 s with huge ones; docs/design.md). Memory the
+    allocator reuses is already there, and the advice costs it nothing.
     """
     import torch
 
-    if nbytes < HUGE_MIN or not _huge_pages():
-        return torch.empty(nbytes, dtype=torch.uint8)
-    import mmap
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= HUGE_MIN and _huge_pages():
+        start = -buffer.data_ptr() % _HUGE
+        length = (nbytes - start) // _HUGE * _HUGE
+        if length > 0:
+            _libc().madvise(ctypes.c_void_p(buffer.data_ptr() + start), length, _MADV_HUGEPAGE)
+    return buffer
 
-    # Over-allocate so the tensor can start on a huge-page boundary.
-    region = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    import numpy as np
 
-    start = -np.frombuffer(region, dtype=np.uint8, count=1).ctypes.data % _HUGE
-    return torch.frombuffer(region, dtype=torch.uint8, offset=start, count=nbytes)
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 @functools.cache
 def _huge_pages() -> bool:
     """Whether this kernel gives huge pages to memory that asks (THP ``always`` or ``madvise``)."""
-    import mmap
-
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    if sys.platform != "linux":
         return False
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
