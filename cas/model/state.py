@@ -172,9 +172,12 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
         if index is None:
             index = len(sources)
             sources.append(source())
-            keep_alive.append(obj)  # ids and data pointers stay unique only while objects live
             if alias is not None:
                 aliases[alias] = index
+        # ids and data pointers stay unique only while objects live: every object ``seen`` names
+        # is kept, an alias too (a sparse tensor's parts are temporaries, and an alias freed here
+        # let a later part take its id and be stored as the wrong tensor).
+        keep_alive.append(obj)
         seen[id(obj)] = index
         return {"~": "tensor", "i": index}
 
@@ -526,6 +529,13 @@ def buffer_over(data: bytes | bytearray | memoryview) -> torch.Tensor:
     if not len(data):
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor over the same bytes."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def writable_view(buffer: torch.Tensor) -> memoryview:
