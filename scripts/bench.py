@@ -318,6 +318,7 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
         dcp_save(changed)
 
     target = {k: torch.empty_like(v) for k, v in state.items()}
+    cas_target = {k: torch.empty_like(v) for k, v in state.items()}  # in place, as DCP loads
 
     def dcp_load() -> None:
         state_dict_loader.load(target, checkpoint_id=str(dcp_dir))
@@ -375,6 +376,7 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
             "dcp": (dcp_load, None),
             "cas": (lambda: touch(repo.load("bench/base")), None),
             "cas mmap": (lambda: touch(repo.load("bench/base", mmap=True)), None),
+            "cas load_into": (lambda: touch(repo.load_into("bench/base", cas_target)), None),
         },
         repeat,
         load_rounds,
@@ -392,6 +394,7 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
         for name in ("torch.save", "safetensors", "dcp", "cas")
     }
     rows["cas"]["load_mmap"] = loads["cas mmap"]
+    rows["cas"]["load_into"] = loads["cas load_into"]
     ceilings = results["ceiling_s"]
     for row in rows.values():
         row["save_gbps"] = nbytes / GB / row["save"]
@@ -441,6 +444,10 @@ def print_core(results: dict[str, Any]) -> None:
             f"{row['load']:>9.2f}{row['load_gbps']:>8.2f}"
         )
     print(f"cas load with mmap: {results['rows']['cas']['load_mmap']:.2f} s")
+    print(
+        f"cas load_into (into existing tensors, as DCP loads): "
+        f"{results['rows']['cas']['load_into']:.2f} s against DCP {results['rows']['dcp']['load']:.2f} s"
+    )
     print(
         "first load of each (cas's chunks were written past the page cache): "
         + ", ".join(f"{name} {secs:.2f} s" for name, secs in results["first_load_s"].items())

@@ -24,6 +24,7 @@ from cas.model.state import (
     buffer_over,
     byte_buffer,
     decode_state,
+    flat_bytes,
     iter_tensor_paths,
     placed,
     selected_tensors,
@@ -38,6 +39,7 @@ from cas.repo.core import RepositoryCore
 from cas.repo.export import export_files, export_state, file_entry, select_files
 from cas.repo.housekeeping import HousekeepingOperations
 from cas.repo.ingest import ingest_path
+from cas.repo.inplace import plan_into
 from cas.repo.lazy import CheckpointReader
 from cas.repo.shards import commit_shards, save_shard
 from cas.repo.transfers import TransferOperations
@@ -174,6 +176,19 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             _nothing_selected(ref, patterns, manifest)
         return out
 
+    def load_into(self, ref: str, target: Any) -> Any:
+        """Read ``ref``'s tensors into the tensors of ``target`` in place and return it.
+
+        ``target`` is a state of the saved shape (``{"model": model.state_dict(), ...}``) whose
+        tensors are contiguous CPU tensors; each is filled from the stored tensor at its dotted
+        path, which must have its dtype and shape. Every path is checked before any byte is
+        read. Other leaves are left as they are: ``load(ref, keys=...)`` reads those.
+        """
+        manifest = self.manifest(ref)
+        plan = plan_into(ref, manifest, target)
+        self._materialize(manifest, plan, None, False, None, into=plan)
+        return target
+
     def open(self, ref: str) -> CheckpointReader:
         """A lazy read-only mapping of ``ref``'s tensors: ``with repo.open(ref) as ckpt:`` then
         ``ckpt.keys()``, ``ckpt["model.w"]``, ``ckpt.get_slice("model.w")[:10]``,
@@ -196,7 +211,10 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         map_location: str | torch.device | None,
         use_mmap: bool,
         progress: Progress | None,
+        into: dict[int, list[torch.Tensor]] | None = None,
     ) -> dict[int, Any]:
+        """The values of the tensors at ``indices``; those in ``into`` are read into the first of
+        its tensors instead (and copied to the others), and left out of the result."""
         buffers: dict[int, torch.Tensor] = {}
         jobs: list[tuple[Sequence[ChunkRef], memoryview]] = []
         encoded: set[int] = set()
@@ -211,7 +229,9 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             if mapped is not None:
                 buffers[index] = buffer_over(mapped)
                 continue
-            buffer = byte_buffer(entry.nbytes)
+            buffer = (
+                flat_bytes(into[index][0]) if into and index in into else byte_buffer(entry.nbytes)
+            )
             buffers[index] = buffer
             if entry.nbytes:
                 if entry.encoding:
@@ -220,6 +240,13 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         self.io.read_all(jobs, progress, encoded=encoded)
         out: dict[int, Any] = {}
         for index, buffer in buffers.items():
+            if into and index in into:
+                first, *others = into[index]
+                if flat_bytes(first).data_ptr() != buffer.data_ptr():
+                    flat_bytes(first).copy_(buffer)  # an inline tensor
+                for other in others:
+                    other.copy_(first)
+                continue
             entry = manifest.tensors[index]
             value = tensor_from_bytes(entry.kind, entry.dtype, entry.shape, buffer)
             out[index] = placed(value, map_location)
