@@ -531,6 +531,21 @@ def buffer_over(data: bytes | bytearray | memoryview) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
+def target_tensors(target: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(dotted path, tensor)`` for every tensor in a state of dicts, lists and tuples, named as
+    ``save`` names them."""
+    import torch
+
+    if isinstance(target, torch.Tensor):
+        yield path, target
+    elif isinstance(target, dict):
+        for key, value in target.items():
+            yield from target_tensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(target, (list, tuple)):
+        for index, value in enumerate(target):
+            yield from target_tensors(value, f"{path}.{index}" if path else str(index))
+
+
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat uint8 tensor over the same bytes."""
     import torch

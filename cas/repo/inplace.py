@@ -9,31 +9,15 @@ a mismatch leaves the target untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from cas.errors import FormatError, NotFound
-from cas.model.state import iter_tensor_paths, torch_dtype_name
+from cas.model.state import iter_tensor_paths, target_tensors, torch_dtype_name
 
 if TYPE_CHECKING:
     import torch
 
     from cas.model.manifest import Manifest
-
-
-def target_tensors(target: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(dotted path, tensor)`` for every tensor in a state of dicts, lists and tuples, named as
-    ``save`` names them."""
-    import torch
-
-    if isinstance(target, torch.Tensor):
-        yield path, target
-    elif isinstance(target, dict):
-        for key, value in target.items():
-            yield from target_tensors(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(target, (list, tuple)):
-        for index, value in enumerate(target):
-            yield from target_tensors(value, f"{path}.{index}" if path else str(index))
 
 
 def plan_into(ref: str, manifest: Manifest, target: Any) -> dict[int, list[torch.Tensor]]:
