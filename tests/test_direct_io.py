@@ -327,3 +327,22 @@ def leaves(tree: object) -> list[Any]:
     if isinstance(tree, (list, tuple)):
         return [leaf for value in tree for leaf in leaves(value)]
     return []
+
+
+def test_a_directly_written_chunk_keeps_its_head_in_the_page_cache(tmp_path: Path) -> None:
+    """The next save reads each reused chunk's first 16 KiB to judge it: that head is read back
+    into the page cache once written, the rest of the chunk is not."""
+    import time
+
+    import torch
+
+    import cas
+
+    repo = cas.open(tmp_path / "store")
+    repo.save({"w": torch.randn(1 << 20)}, "runs/a")  # one 4 MiB chunk
+    (path,) = ref_chunk_paths(repo, "runs/a")
+    deadline = time.monotonic() + 5
+    while not in_page_cache(path, direct.HEAD_CACHED) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the read back is asynchronous
+    assert in_page_cache(path, direct.HEAD_CACHED)
+    assert not in_page_cache(path, path.stat().st_size)
