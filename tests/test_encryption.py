@@ -125,7 +125,7 @@ def test_a_push_between_stores_sharing_a_key_copies_objects_as_they_are_stored(
     assert np.array_equal(b.load("runs/r1/two")["w"], state(1)["w"])
 
 
-def test_an_encrypted_load_reads_chunk_files_straight_into_the_tensors(
+def test_an_encrypted_load_decrypts_chunk_files_into_the_tensors_without_whole_blob_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     repo = cas.open(tmp_path / "s", key=PASSPHRASE)
