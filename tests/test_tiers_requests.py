@@ -230,9 +230,9 @@ def test_a_gate_promoted_onto_a_checkpoint_passed_over_brings_it_to_the_remote(
     assert remote.resolve("runs/r1/gates/bc_best") == local.resolve(CKPT.format(1))
 
 
-def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _drained_run_and_a_node_with_the_base(tmp_path: Path) -> tuple[cas.Repository, cas.Repository]:
+    """A remote holding two drained checkpoints of run r1, and a new node whose local store
+    caches only the frozen base they share."""
     remote = _open(tmp_path / "remote")
     with CheckpointManager(
         _open(tmp_path / "node1"), run="r1", signals=False, remote=remote
@@ -242,6 +242,13 @@ def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
         assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
     node2 = _open(tmp_path / "node2")
     node2.save({"frozen": _state(0)["frozen"]}, "models/base")  # the base, cached here
+    return remote, node2
+
+
+def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote, node2 = _drained_run_and_a_node_with_the_base(tmp_path)
     cached = set(node2.manifest("models/base").chunk_digests())
     read: list[str] = []
     blobs = remote.objects.blobs
@@ -266,15 +273,7 @@ def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
 def test_a_resume_that_finds_a_cached_base_chunk_corrupt_heals_it_from_the_remote(
     tmp_path: Path,
 ) -> None:
-    remote = _open(tmp_path / "remote")
-    with CheckpointManager(
-        _open(tmp_path / "node1"), run="r1", signals=False, remote=remote
-    ) as mgr:
-        for step in (1, 2):
-            mgr.save(step, _state(step)).result()
-        assert mgr.tier is not None and mgr.tier.wait(30).saves == 0
-    node2 = _open(tmp_path / "node2")
-    node2.save({"frozen": _state(0)["frozen"]}, "models/base")
+    remote, node2 = _drained_run_and_a_node_with_the_base(tmp_path)
     digest = next(iter(node2.manifest("models/base").chunk_digests()))
     path = local_root(node2) / f"chunks/{digest[:2]}/{digest}"
     data = bytearray(path.read_bytes())
