@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -184,3 +185,24 @@ def test_a_saves_peak_memory_above_its_state_stays_within_the_pool(tmp_path: Pat
     report = json.loads(out.strip().splitlines()[-1])
     assert 0 < report["pool_peak"] <= report["pool_limit"]
     assert report["peak_above_state"] <= report["pool_limit"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_saves_through_a_pool_of_its_own(tmp_path: Path) -> None:
+    import numpy as np
+
+    pool = staging.staging_pool()
+    held = pool.lease(2 * MiB)
+    held.__enter__()  # another thread's lease, open at the fork
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: a new pool, and a save that does not wait on the parent's
+            # numpy, not torch ops: torch's thread pool does not survive a fork
+            ok = staging.staging_pool() is not pool
+            repo = cas.open(tmp_path / "child")
+            repo.save({"w": np.ones(1 << 20, dtype=np.float32)}, "runs/child")
+            os._exit(0 if ok and repo.load("runs/child")["w"].sum() == 1 << 20 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        held.__exit__(None, None, None)

@@ -152,6 +152,17 @@ _pool: StagingPool | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) starts without the parent's pool: a lease another
+    thread held at the fork would never be returned there, nor its lock released."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def staging_pool() -> StagingPool:
     """The process's pool, sized by ``CAS_STAGING_POOL`` when it is first used."""
     global _pool
