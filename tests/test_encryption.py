@@ -4,6 +4,7 @@ handles that cannot delete."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -343,3 +344,19 @@ def test_gc_verify_retention_the_manager_and_cas_urls_work_on_an_encrypted_store
     assert repo.verify(level="full").ok
     with fsspec.open("cas://runs/r1/latest/manifest.json", "rb", store=str(tmp_path / "s")) as f:
         assert f.read()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_while_a_sealed_buffer_lock_is_held_still_saves(tmp_path: Path) -> None:
+    from cas.blobstore import sealed as sealed_module
+
+    repo = cas.open(tmp_path / "s", key=PASSPHRASE)
+    with sealed_module.BUFFERS._lock:  # another thread mid-lease at the fork
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a child stuck on the parent's lock dies instead of hanging
+            data = np.arange(1 << 19, dtype="f4")  # 2 MiB: sealed through the pool
+            repo.save({"w": data}, "runs/child")
+            os._exit(0 if np.array_equal(repo.load("runs/child")["w"], data) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -124,6 +124,16 @@ BUFFERS = BufferPool(keep=64 << 20)
 """The process's pool: room for a full-size chunk, or for eight workers' default-size ones."""
 
 
+def _fresh_pool_in_child() -> None:
+    """A forked child starts with an empty pool and a lock of its own: the parent's may have
+    been held by another thread at the fork, and would never be released there."""
+    BUFFERS._free, BUFFERS._lock = [], threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_pool_in_child)
+
+
 def sealed_store(blobs: BlobStore, key: StoreKey) -> BlobStore:
     """``blobs`` sealed under ``key``. A local cache in front of a remote (``cache=``) is sealed
     on its own, so it holds ciphertext under hidden names too and checks plaintext as it fills."""
