@@ -347,8 +347,11 @@ def test_an_io_error_at_any_point_of_a_save_leaves_no_half_checkpoint(tmp_path: 
         cas.open(root, config=config).close()
         return FaultyBlobStore(LocalBlobStore(root), error=eio)
 
+    # One chunk worker: the calls come in one order, so every point is struck. With eight, how
+    # many workers probe for a reuse before the first miss varies with scheduling, and a busy
+    # machine moved the count by more than the slack below.
     counted = faulty_store(tmp_path / "count")
-    cas.Repository(counted, config).save(state, "runs/a")
+    cas.Repository(counted, config, workers=1).save(state, "runs/a")
     calls = sum(counted.calls.values())
     assert calls > 20
     struck = 0
@@ -357,7 +360,7 @@ def test_an_io_error_at_any_point_of_a_save_leaves_no_half_checkpoint(tmp_path: 
         faulty = faulty_store(root)
         faulty.fail_call(point)
         try:
-            cas.Repository(faulty, config).save(state, "runs/a")
+            cas.Repository(faulty, config, workers=1).save(state, "runs/a")
         except cas.BackendError as e:
             assert "Input/output error" in str(e) and len(str(e).splitlines()) == 1
         struck += faulty.faults.total()
@@ -367,7 +370,7 @@ def test_an_io_error_at_any_point_of_a_save_leaves_no_half_checkpoint(tmp_path: 
         assert_no_partial_objects(root)
         reopened.save(state, "runs/a")  # and the store goes on working
         assert np.array_equal(array(reopened, "runs/a", "a"), state["a"])
-    assert struck >= calls - 2  # a save's calls vary by a few (which worker finds what first)
+    assert struck >= calls - 2  # a lease renewal may add or move a call
 
 
 def test_an_io_error_at_any_point_of_a_load_raises_and_never_returns_bad_bytes(
