@@ -439,16 +439,6 @@ concurrent fsyncs share commits."""
 def _fsync_dirs(dirs: list[Path], failed: list[Path]) -> None:
     """fsync every directory of ``dirs``, several at once; those not made durable are added to
     ``failed`` and the first error is raised once all have been tried."""
-    if len(dirs) <= 2:
-        for index, directory in enumerate(dirs):
-            try:
-                with disk_errors("making durable the directory", directory):
-                    _fsync_dir(directory)
-            except BackendError:
-                failed.extend(dirs[index:])
-                raise
-        return
-    from concurrent.futures import ThreadPoolExecutor
 
     def one(directory: Path) -> BackendError | None:
         try:
@@ -458,8 +448,13 @@ def _fsync_dirs(dirs: list[Path], failed: list[Path]) -> None:
             return e
         return None
 
-    with ThreadPoolExecutor(min(SYNC_THREADS, len(dirs))) as pool:
-        errors = list(pool.map(one, dirs))
+    if len(dirs) <= 2:
+        errors = [one(directory) for directory in dirs]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(SYNC_THREADS, len(dirs))) as pool:
+            errors = list(pool.map(one, dirs))
     failed.extend(d for d, e in zip(dirs, errors, strict=True) if e is not None)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
