@@ -146,6 +146,32 @@ def test_an_encrypted_load_decrypts_chunk_files_into_the_tensors_without_whole_b
     assert not [key for key in whole if key.startswith("chunks/")]
 
 
+def test_a_sealed_file_is_read_into_the_buffers_and_decrypted_there_whatever_its_size(
+    tmp_path: Path,
+) -> None:
+    store = SealedBlobStore(LocalBlobStore(tmp_path / "s"), StoreKey.generate())
+    data = np.random.default_rng(3).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    store.put("chunks/ab/" + "ab" * 32, data)
+    key = "chunks/ab/" + "ab" * 32
+
+    def read(*sizes: int) -> tuple[int | None, bytes]:
+        outs = [memoryview(bytearray(n)) for n in sizes]
+        got = store.read_into_buffers(key, 0, outs)
+        return got, b"".join(bytes(out) for out in outs)
+
+    got, back = read(40_000, 60_000)  # exactly the plaintext: ciphertext lands in the buffers
+    assert (got, back) == (len(data), data)
+    got, back = read(70_000, 50_000)  # room to spare: the tag falls inside a buffer
+    assert got == len(data) and back[: len(data)] == data
+    assert read(50_000, 49_999)[0] is None  # too small: the tag covers the whole blob
+    path = next(p for p in (tmp_path / "s" / "chunks").rglob("*") if p.is_file())
+    sealed = bytearray(path.read_bytes())
+    sealed[-1] ^= 0x01  # the tag
+    path.write_bytes(bytes(sealed))
+    with pytest.raises(IntegrityError):
+        read(40_000, 60_000)
+
+
 def test_background_writes_of_an_encrypted_store_stay_sealed_and_go_past_the_page_cache(
     tmp_path: Path,
 ) -> None:
