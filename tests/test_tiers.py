@@ -48,6 +48,8 @@ def test_every_save_drains_to_the_remote_with_latest_and_best_after_it(tmp_path:
     assert mgr.tier is not None
     lag = mgr.tier.wait(30)
     assert (lag.saves, lag.bytes, lag.error) == (0, 0, None)
+    assert mgr.tier.idle  # and asking started no cycle: it stays so
+    assert mgr.tier.idle
     mgr.close()
     for step in range(1, 5):
         assert remote.resolve(CKPT.format(step)) == local.resolve(CKPT.format(step))

@@ -272,6 +272,13 @@ class RemoteTier(RemoteResume):
             len(waiting), sum(b for _, b in waiting), oldest, len(self._skipped), self._error
         )
 
+    @property
+    def idle(self) -> bool:
+        """Whether no drain cycle is due or running now (a save's ``notify`` makes one due);
+        unlike ``wait``, asking starts no cycle."""
+        with self._cond:
+            return not (self._wanted or self._busy)
+
     def wait(self, timeout: float | None = None) -> TierLag:
         """Wait until the remote holds every checkpoint due there (or ``timeout`` passes, or a
         drain attempt fails); the lag then."""
