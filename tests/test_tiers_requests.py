@@ -210,6 +210,63 @@ def test_a_checkpoint_passed_over_is_not_asked_for_on_the_remote_again(
     assert asked_at and max(asked_at) <= 4
 
 
+def test_a_drained_checkpoint_is_asked_for_on_the_remote_once_however_long_it_stays_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local tier keeps every checkpoint: each later drain's scan would otherwise read the
+    remote ref of every one of them (a request per checkpoint per save, growing all run)."""
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    asked: collections.Counter[str] = collections.Counter()
+    refs = remote.stores.refs
+    original = refs.try_get
+
+    def try_get(name: str) -> Any:
+        asked[name] += 1
+        return original(name)
+
+    monkeypatch.setattr(refs, "try_get", try_get)
+    with CheckpointManager(local, run="r1", signals=False, remote=remote) as mgr:
+        assert mgr.tier is not None
+        for step in range(1, 9):
+            mgr.save(step, _state(step)).result()
+            assert mgr.tier.wait(30).saves == 0
+    scans = {name: n for name, n in asked.items() if "ckpt_" in name}
+    assert sorted(scans) == [CKPT.format(s) for s in range(1, 9)]
+    # Asked by the scan that found it pending and twice by the drain that moved it (to move it,
+    # then to see the remote's latest may name it); never by a later save's scan.
+    assert max(scans.values()) <= 3, scans
+    assert remote.ref_names("runs/r1/phase1/ckpt_*") == [CKPT.format(s) for s in range(1, 9)]
+
+
+def test_a_cycle_with_no_checkpoint_and_no_pointer_moved_asks_the_remote_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local, remote = _open(tmp_path / "local"), _open(tmp_path / "remote")
+    with CheckpointManager(
+        local, run="r1", signals=False, best=("loss", "min"), remote=remote
+    ) as mgr:
+        assert mgr.tier is not None
+        mgr.save(1, _state(1), {"loss": 1.0}).result()
+        assert mgr.tier.wait(30).saves == 0
+        calls: list[str] = []
+        blobs = remote.blobs
+        for name in ("get", "get_versioned", "put", "put_conditional", "put_if_absent", "has"):
+            original = getattr(blobs, name)
+
+            def counted(key: str, *args: Any, _original: Any = original, _n: str = name) -> Any:
+                calls.append(f"{_n} {key}")
+                return _original(key, *args)
+
+            monkeypatch.setattr(blobs, name, counted)
+        mgr.tier.wake()
+        assert mgr.tier.wait(30).saves == 0
+        assert calls == []  # no lease taken, no ref read: nothing moved
+        mgr.promote_gate("bc_best")  # a pointer moved alone: the next cycle pushes it
+        assert mgr.tier.wait(30).saves == 0
+        assert any("gates" in call for call in calls), calls
+    assert remote.resolve("runs/r1/gates/bc_best") == local.resolve(CKPT.format(1))
+
+
 def test_a_gate_promoted_onto_a_checkpoint_passed_over_brings_it_to_the_remote(
     tmp_path: Path,
 ) -> None:

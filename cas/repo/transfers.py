@@ -7,7 +7,7 @@ and ``cas.repo.archive`` adds freeing what was archived.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 
 from cas.digest import Digest
 from cas.objects.recode import KEEP
@@ -91,11 +91,12 @@ class TransferOperations:
         remote: TransferOperations,
         selector: str,
         absent: Mapping[str, Digest] | None = None,
+        present: MutableMapping[str, Digest] | None = None,
     ) -> list[PendingCheckpoint]:
         """The refs ``selector`` picks here that ``remote`` lacks or holds at another manifest,
-        oldest first; those ``absent`` names at their target are not asked for
-        (``cas.sync.drain``)."""
-        return pending_checkpoints(self.stores, remote.stores, selector, absent)
+        oldest first; those ``absent`` or ``present`` names at their target are not asked for,
+        and ``present`` is kept up to date (``cas.sync.drain.pending_checkpoints``)."""
+        return pending_checkpoints(self.stores, remote.stores, selector, absent, present)
 
     def drain_to(
         self,

@@ -20,7 +20,7 @@ holding both stores, finishes a drain its predecessor left.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 from cas.digest import Digest
@@ -99,21 +99,38 @@ class DrainReport:
 
 
 def pending_checkpoints(
-    src: Stores, dst: Stores, selector: str, absent: Mapping[str, Digest] | None = None
+    src: Stores,
+    dst: Stores,
+    selector: str,
+    absent: Mapping[str, Digest] | None = None,
+    present: MutableMapping[str, Digest] | None = None,
 ) -> list[PendingCheckpoint]:
     """The refs ``selector`` picks in ``src`` that ``dst`` lacks or holds at another manifest,
     oldest first. One read of ``dst`` per local ref (the local tier holds few, the remote many),
     except for those ``absent`` names at their current target: known not to be there (a drain
-    passed them over), they are listed without asking."""
+    passed them over), they are listed without asking; and those ``present`` names at their
+    current target: known to be there (drained, or found there, by this caller before), they
+    are not asked for again. ``present`` gains every ref found there now, and loses those
+    ``src`` no longer has, so a run's drain asks for each checkpoint once, not once per save
+    for as long as the local tier keeps it."""
     found = []
+    listed = set()
     for record in src.refs.records(selector):
+        listed.add(record.name)
+        if present is not None and present.get(record.name) == record.target:
+            continue
         if absent is not None and absent.get(record.name) == record.target:
             remote = None
         else:
             remote = dst.refs.try_get(record.name)
+        if remote is not None and remote.target == record.target and present is not None:
+            present[record.name] = record.target
         if remote is None or remote.target != record.target:
             changed = record.history[-1].time if record.history else 0.0
             found.append(PendingCheckpoint(record.name, record.target, changed))
+    if present is not None:
+        for name in [n for n in present if n not in listed]:
+            del present[name]
     found.sort(key=lambda p: (p.changed_at, p.ref))
     return found
 

@@ -154,6 +154,12 @@ class RemoteTier(RemoteResume):
         self._replan = False
         self._latest_of: dict[str, str] = {}
         """ref -> the ``latest`` its save moved (the save's phase's), for its drain."""
+        self._there: dict[str, Digest] = {}
+        """ref -> target of the checkpoints this process drained or found on the remote: a
+        later cycle does not ask for them again (``pending_on``'s ``present``)."""
+        self._pushed: dict[str, Digest | None] | None = None
+        """The local targets of ``latest`` and the pointers when they were last pushed whole:
+        a cycle with no checkpoint to drain moves them only if one has moved since."""
         self._known: frozenset[Digest] | None = None
         """The chunks of the checkpoint drained last: the remote held them a moment ago, so the
         next drain asks for none of them (a checkpoint shares most chunks with the one before)
@@ -359,7 +365,7 @@ class RemoteTier(RemoteResume):
             replan, self._replan = self._replan, False
         if replan:
             self._passed.clear()
-        pending = self.local.pending_on(self.remote, self.checkpoints, self._passed)
+        pending = self.local.pending_on(self.remote, self.checkpoints, self._passed, self._there)
         skip = self._thin(pending)
         self._remember(pending, skip, began)
         todo = [p for p in pending if p.ref not in skip]
@@ -370,6 +376,7 @@ class RemoteTier(RemoteResume):
             hold = {p.target for p in todo[i + 1 :]}
             known, self._known = self._known, None  # unknown again until this drain succeeds
             report = None
+            pointed = self._pointer_targets() if not hold else None
             try:
                 with self._cond:
                     latest = self._latest_of.get(item.ref, self.latest)
@@ -378,6 +385,9 @@ class RemoteTier(RemoteResume):
                     hold_back=hold, jobs=self.jobs, known=known,
                 )  # fmt: skip
                 self._known = self._chunks_of(item.target)
+                self._there[item.ref] = item.target
+                if pointed is not None:
+                    self._pushed = pointed
             except NotFound:
                 now = self.local.find_ref(item.ref)
                 if now is not None and now.target == item.target:
@@ -396,12 +406,25 @@ class RemoteTier(RemoteResume):
                 with contextlib.suppress(NotFound):
                     self.local.rm(item.ref, expected=item.target)
         if not todo:  # a gate or best may have moved alone
-            self.local.drain_to(self.remote, None, latest=self.latest, pointers=self.pointers)
+            pointed = self._pointer_targets()
+            if pointed != self._pushed:
+                self.local.drain_to(self.remote, None, latest=self.latest, pointers=self.pointers)
+                self._pushed = pointed
         if todo and self.policy is not None:
             try:
-                self.remote.forget(self.policy)
+                removed = self.remote.forget(self.policy).removed
+                for ref in removed:  # no longer there: the next scan finds it passed over
+                    self._there.pop(ref, None)
             except CASError as e:  # a GC holds the remote's maintenance lock: next time
                 log.warning("remote tier %s: its policy did not run: %s", self.url, e)
+
+    def _pointer_targets(self) -> dict[str, Digest | None]:
+        """The local targets of ``latest`` and of every ref the pointers name, read now."""
+        with self._cond:
+            latest = self.latest
+        names = {latest, *(n for selector in self.pointers for n in self.local.ref_names(selector))}
+        found = {name: self.local.find_ref(name) for name in sorted(names)}
+        return {name: record.target if record else None for name, record in found.items()}
 
     def _chunks_of(self, target: Digest) -> frozenset[Digest] | None:
         try:
