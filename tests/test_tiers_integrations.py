@@ -91,3 +91,17 @@ def test_lightning_top_k_keeps_a_checkpoint_the_remote_still_needs(tmp_path: Pat
     # save_top_k=1 asked to remove steps 2 and 4; the remote (which keeps all) lacks them.
     assert repo.ref_names("runs/lit/*.ckpt") == [*STEPS, LAST]
     assert remote.ref_names() == []
+
+
+def test_the_integrations_take_remote_retry_as_the_manager_does(tmp_path: Path) -> None:
+    from cas.training.integrations.hf import CASCallback
+    from cas.training.integrations.lightning import CASCheckpointIO
+
+    repo, remote = cas.open(tmp_path / "store"), cas.open(tmp_path / "remote")
+    io = CASCheckpointIO(repo, "runs/lit", remote=remote, remote_retry=0.25)
+    assert io.tier is not None and (io.tier.retry, io.tier.max_retry) == (0.25, 60.0)
+    io.teardown()
+    callback = CASCallback(repo, "runs/bert", remote=remote, remote_retry=120.0)
+    tier = callback._tier("runs/bert")  # started at the first save, once the prefix is known
+    assert tier is not None and (tier.retry, tier.max_retry) == (120.0, 120.0)
+    tier.close(0)

@@ -78,11 +78,15 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         remote: Repository | str | None = None,
         remote_policy: RetentionPolicy | None = None,
         remote_queue: int = 8,
+        remote_retry: float = 2.0,
     ) -> None:
         self.repo = repo
         self.remote = remote
         self.remote_policy = remote_policy
         self.remote_queue = remote_queue
+        self.remote_retry = remote_retry
+        """Seconds before a failed drain is tried again, doubled per failure (to 60 s, or this
+        if longer), as ``CheckpointManager(remote_retry=)``."""
         self.tier: RemoteTier | None = None
         """With ``remote``: the remote tier each checkpoint drains to, from the first save on."""
         self.prefix = prefix
@@ -141,7 +145,8 @@ class CASCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             self.tier = RemoteTier(
                 self.repo, self.remote, checkpoints=f"{prefix}/ckpt_step*",
                 latest=f"{prefix}/latest", policy=self.remote_policy,
-                max_pending=self.remote_queue,
+                max_pending=self.remote_queue, retry=self.remote_retry,
+                max_retry=max(60.0, self.remote_retry),
             )  # fmt: skip
         return self.tier
 

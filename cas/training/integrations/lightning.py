@@ -64,6 +64,7 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         remote: Repository | str | None = None,
         remote_policy: RetentionPolicy | None = None,
         remote_queue: int = 8,
+        remote_retry: float = 2.0,
     ) -> None:
         self.repo = repo
         self.prefix = prefix.rstrip("/")
@@ -72,7 +73,8 @@ class CASCheckpointIO(CheckpointIO):  # type: ignore[misc,unused-ignore]
         if remote is not None:
             self.tier = RemoteTier(
                 repo, remote, checkpoints=f"{self.prefix}/*.ckpt", latest=f"{self.prefix}/latest",
-                policy=remote_policy, max_pending=remote_queue,
+                policy=remote_policy, max_pending=remote_queue, retry=remote_retry,
+                max_retry=max(60.0, remote_retry),
             )  # fmt: skip
 
     def ref_for(self, path: str | os.PathLike[str]) -> str:
