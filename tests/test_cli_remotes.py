@@ -81,6 +81,15 @@ def test_a_global_remote_lives_in_the_users_toml_with_its_endpoint_and_no_creden
     assert "archive" in listed and "[user]" in listed
 
 
+def test_the_s3_only_endpoint_variable_wins_over_the_global_one_as_in_aws_tools(
+    home: Path, store: Path, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    _ok("--store", str(store), "push", "runs/r1/ckpt_1", "--to", s3_url)
+    assert cas.open(s3_url).ref_names() == ["runs/r1/ckpt_1"]
+
+
 def test_the_stores_remote_wins_over_the_users_of_the_same_name(
     home: Path, store: Path, tmp_path: Path
 ) -> None:

@@ -56,7 +56,8 @@ class Context:
 
     def open_url(self, url: str | None, endpoint_url: str | None = None, **kw: Any) -> Any:
         """Open a store by URL (None: the default). ``endpoint_url`` (a remote's own), else
-        ``--endpoint-url`` / ``AWS_ENDPOINT_URL``, else the config's, applies to S3 URLs only."""
+        ``--endpoint-url`` / ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else the config's,
+        applies to S3 URLs only."""
         from cas.repo.opening import open as open_store
 
         options: dict[str, Any] = {}
@@ -261,7 +262,10 @@ def _fail(message: str, code: int = EXIT_PROBLEM, kind: str = "Error") -> NoRetu
     "[env CAS_STORE; default ~/.local/share/cas/store].",
 )
 @click.option(
-    "--endpoint-url", envvar="AWS_ENDPOINT_URL", metavar="URL", help="S3-compatible endpoint."
+    "--endpoint-url",
+    envvar=["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"],
+    metavar="URL",
+    help="S3-compatible endpoint [env AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL].",
 )
 @click.option(
     "-q",
@@ -311,7 +315,11 @@ def complete_refs(
     was typed (the store from ``--store`` or ``CAS_STORE``; nothing if it cannot be opened)."""
     params = ctx.find_root().params
     store = params.get("store") or os.environ.get("CAS_STORE")
-    endpoint = params.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = (
+        params.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
     try:
         repo = Context(store, endpoint, True).open_url(store, create=False, readonly=True)
         names = repo.ref_names()
