@@ -336,6 +336,7 @@ def test_gc_dry_run_prints_the_plan_and_deletes_nothing(tmp_path: Path) -> None:
     repo.save(state(2), "b")
     repo.rm("a")
     before = chunk_digests(repo)
+    files = {p: p.stat().st_mtime_ns for p in store.rglob("*")}
     runner = CliRunner()
     out = runner.invoke(
         cli, ["--store", str(store), "gc", "--dry-run", "--grace", "0s", "--json", "--list"]
@@ -344,6 +345,8 @@ def test_gc_dry_run_prints_the_plan_and_deletes_nothing(tmp_path: Path) -> None:
     doc = json.loads(out.output)
     assert doc["plan"]["delete_chunks"] == 2 and set(doc["plan"]["chunks"]) == chunks_of(1)
     assert "result" not in doc and chunk_digests(repo) == before
+    # Nothing written either (no maintenance lock, no clock probe): read-only access will do.
+    assert {p: p.stat().st_mtime_ns for p in store.rglob("*")} == files
     out = runner.invoke(
         cli, ["--store", str(store), "gc", "--grace", "0s", "--reflog-window", "0s"]
     )

@@ -48,7 +48,9 @@ def size_param(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 @cli.command()
-@click.option("-n", "--dry-run", is_flag=True, help="Print the plan; delete nothing.")
+@click.option(
+    "-n", "--dry-run", is_flag=True, help="Print the plan; delete nothing, write nothing."
+)
 @click.option(
     "--grace",
     callback=duration_param,
@@ -79,7 +81,7 @@ def gc(
     its bytes still name is kept, and while what it reaches cannot be known, GC deletes nothing
     (`cas repair`, `cas rm`).
     """
-    repo = obj.open(create=False)
+    repo = obj.open(create=False, readonly=dry_run)  # a dry run writes nothing, not even a lock
     doc = run_gc(repo, grace, reflog_window, dry_run, list_keys, as_json)
     if as_json:
         emit_json(doc)
@@ -105,7 +107,7 @@ def run_gc(
         grace=settings.grace if grace is None else grace,
         reflog_window=settings.reflog_window if window is None else window,
     )
-    plan = repo.plan_gc(settings)
+    plan = repo.plan_gc(settings, lock=not dry_run)
     doc: dict[str, Any] = {"dry_run": dry_run, "plan": plan.to_dict(keys=list_keys)}
     warn_damaged(str(d) for d in plan.damaged if d.ref not in warned)
     if not as_json:
