@@ -7,10 +7,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import botocore.client
+import numpy as np
 import pytest
 from botocore.awsrequest import AWSResponse
 from moto import mock_aws
 
+import cas
 from cas.blobstore.s3 import PROBE_DIR, S3BlobStore
 from cas.errors import (
     BackendError,
@@ -44,6 +47,27 @@ def test_a_missing_bucket_is_named_in_a_one_line_error(s3_url: str, seaweed: Sea
         store.put("chunks/a", b"data")
     assert not isinstance(caught.value, TransientBackendError)
     _assert_one_line_naming(caught.value, bucket, seaweed.endpoint_url)
+
+
+def test_a_read_only_open_asks_nothing_before_its_first_read_and_still_names_a_missing_bucket(
+    s3_url: str, seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cas.open(s3_url).save({"w": np.arange(4)}, "runs/r1/ckpt")
+    calls: list[str] = []
+    original = botocore.client.BaseClient._make_api_call
+
+    def counted(self: Any, operation: str, params: Any) -> Any:
+        calls.append(operation)
+        return original(self, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counted)
+    reader = cas.open(s3_url, readonly=True)
+    assert calls == ["GetObject"]  # the store's config: no HeadBucket, no probe of writes
+    assert np.array_equal(reader.load("runs/r1/ckpt")["w"], np.arange(4))
+    bucket = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(BackendError) as caught:
+        cas.open(f"s3://{bucket}/run", readonly=True)
+    _assert_one_line_naming(caught.value, bucket)
 
 
 def _unused_port() -> int:

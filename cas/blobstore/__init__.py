@@ -77,14 +77,18 @@ def open_blobstore(url: str | os.PathLike[str], **options: Any) -> BlobStore:
     return FsspecBlobStore.from_url(text, **options)
 
 
-def open_for_use(url: str | os.PathLike[str], *, shared_writer: bool, **options: Any) -> BlobStore:
+def open_for_use(
+    url: str | os.PathLike[str], *, shared_writer: bool, readonly: bool = False, **options: Any
+) -> BlobStore:
     """Open the store ``url`` names as a repository uses it.
 
     A store on this machine is returned as it is. A remote one is checked (an S3 bucket must
     exist: some servers would create a mistyped one on the first write) and wrapped in retries
     (``RetryingBlobStore``). With ``shared_writer`` (this process writes, and others may too)
     an S3 server that ignores conditional writes is refused: concurrent writers could then
-    overwrite each other's ref updates and delta chunks.
+    overwrite each other's ref updates and delta chunks. A ``readonly`` handle skips the bucket
+    check (a request before any read): it writes nothing a mistyped bucket could receive, and
+    its first read of a missing bucket fails naming it.
     """
     store = open_blobstore(url, **options)
     if isinstance(store, (LocalBlobStore, MemoryBlobStore)):
@@ -92,7 +96,7 @@ def open_for_use(url: str | os.PathLike[str], *, shared_writer: bool, **options:
     from cas.blobstore.retry import RetryingBlobStore
     from cas.blobstore.s3 import S3BlobStore
 
-    if isinstance(store, S3BlobStore):
+    if isinstance(store, S3BlobStore) and not readonly:
         store.check_bucket()
         # The first supports_conditional_writes probes the server (three small requests).
         if shared_writer and not store.supports_conditional_writes:

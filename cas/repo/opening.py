@@ -83,6 +83,7 @@ def open(
     blobs = open_for_use(
         url if url is not None else default_store_url(),
         shared_writer=not (readonly or single_writer),
+        readonly=readonly,
         **options,
     )
     if cache is not None:
