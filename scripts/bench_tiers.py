@@ -291,7 +291,7 @@ def finetune(size: dict[str, int], root: Path, saves: int, steps: int) -> dict[s
     return rows
 
 
-def resume(loop: Loop, url: str, root: Path, repeats: int = 3) -> dict[str, Any]:
+def resume(loop: Loop, url: str, root: Path, repeats: int = 5) -> dict[str, Any]:
     """First training step on a new machine: from the remote tier (empty local store, and with
     the frozen base cached), against boto3 downloading one .pt and torch.load."""
     import boto3
@@ -503,7 +503,7 @@ def run(quick: bool, root: Path) -> dict[str, Any]:
             "drain_cpu": drain_cpu(size, root, server, saves=3 if quick else 8),
         }
         if not quick:
-            results["resume_large"] = resume_large(SIZES["large"], root, repeats=3)
+            results["resume_large"] = resume_large(SIZES["large"], root, repeats=5)
     finally:
         server.stop()
         os.environ.clear()
