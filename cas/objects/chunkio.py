@@ -14,9 +14,11 @@ from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
 from cas.errors import FormatError, IntegrityError
 from cas.model.manifest import ChunkRef
+from cas.objects import readahead
 from cas.objects.chunking import Cut
 from cas.objects.private import private_view
-from cas.objects.store import ObjectStore, PutResult
+from cas.objects.readahead import ReadAhead
+from cas.objects.store import ObjectStore, PutResult, chunk_key
 
 T = TypeVar("T")
 
@@ -163,6 +165,7 @@ class ChunkIO:
 
         feed = distinct()
         feed_lock = threading.Lock()
+        ahead = self._read_ahead(jobs)
 
         def drain() -> None:
             """Read chunks off the shared feed until it is empty or a read failed."""
@@ -175,6 +178,8 @@ class ChunkIO:
                     ref, part, hint = item
                     with self._read_slots:
                         self.objects.read_chunk_into(ref.digest, part, encoded=hint)
+                    if ahead is not None:
+                        ahead.advance(ref.size)
                     if progress is not None:
                         progress(ref.size)
             except BaseException as e:
@@ -191,12 +196,16 @@ class ChunkIO:
         if self.objects.blobs.reads_in_place:
             wanted = min(wanted, sum(len(out) for _, out in jobs) >> 20)
         helpers = [self.pool.submit(drain) for _ in range(max(0, wanted))]
-        drain()
-        for helper in helpers:
-            # One that never started has nothing left to read (and may be queued behind the
-            # caller's own pool task); one that did is waited for. drain records its failure.
-            if not helper.cancel():
-                helper.result()
+        try:
+            drain()
+            for helper in helpers:
+                # One that never started has nothing left to read (and may be queued behind the
+                # caller's own pool task); one that did is waited for. drain records its failure.
+                if not helper.cancel():
+                    helper.result()
+        finally:
+            if ahead is not None:
+                ahead.stop()
         if errors:
             raise errors[0]
         for index, (chunks, out) in enumerate(jobs):
@@ -208,6 +217,27 @@ class ChunkIO:
                     if progress is not None:
                         progress(size)
                 offset += size
+
+    def _read_ahead(
+        self, jobs: Sequence[tuple[Sequence[ChunkRef], memoryview]]
+    ) -> ReadAhead | None:
+        """Read-ahead of the chunk files a load of ``jobs`` reads, in the readers' order, for a
+        load of ``MIN_BYTES`` or more from files on this machine (``cas.objects.readahead``)."""
+        blobs = self.objects.blobs
+        if blobs.local_root is None or not readahead.usable():
+            return None
+        if sum(len(out) for _, out in jobs) < readahead.MIN_BYTES:
+            return None
+        seen: set[Digest] = set()
+        paths, sizes = [], []
+        for chunks, _ in jobs:
+            for ref in chunks:
+                path = blobs.local_path(chunk_key(ref.digest))
+                if ref.digest not in seen and path is not None:
+                    seen.add(ref.digest)
+                    paths.append(path)
+                    sizes.append(ref.size)
+        return ReadAhead(paths, sizes).start()
 
     def iter_chunks(
         self, chunks: Iterable[ChunkRef], prefetch: int = 16
