@@ -100,7 +100,9 @@ def test_real_adamw_training_state_round_trips(tmp_path: Path) -> None:
     state["numpy_rng"] = np.random.default_rng(7).bit_generator.state
     state["legacy_numpy_rng"] = np.random.RandomState(3).get_state()
     state["python_rng"] = random.Random(5).getstate()
-    state["metrics"] = {"loss": np.float32(0.25), "accuracy": 0.9, "nan": float("nan")}
+    state["metrics"] = {
+        "loss": np.float32(0.25), "lr": np.float64(1e-3), "accuracy": 0.9, "nan": float("nan")
+    }  # fmt: skip
     state["flags"] = [True, None, b"\x00\x01", 2**70, -(2**63), torch.bfloat16, torch.device("cpu")]
     repo.save(state, "runs/r1/ckpt_step00000005", metadata={"step": 5, "phase": 1})
     back = repo.load("runs/r1/ckpt_step00000005")

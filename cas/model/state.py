@@ -182,7 +182,10 @@ def encode_state(state: Any) -> tuple[Any, list[TensorSource]]:
         return {"~": "tensor", "i": index}
 
     def walk(obj: Any, path: str) -> Any:
-        if obj is None or isinstance(obj, (bool, float, str, bytes)):
+        # numpy's float64 is a Python float too: kept a numpy scalar, it loads as one.
+        if obj is None or (
+            isinstance(obj, (bool, float, str, bytes)) and not isinstance(obj, np.number)
+        ):
             return obj
         if isinstance(obj, int):
             return obj if _INT_MIN <= obj <= _INT_MAX else {"~": "int", "v": str(obj)}
