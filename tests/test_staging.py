@@ -31,15 +31,21 @@ def tensors(count: int, seed: int, mib: int = 2) -> dict[str, Any]:
     return {f"w{i}": torch.randn(mib * MiB // 4, generator=gen) for i in range(count)}
 
 
-def test_leases_are_private_page_laid_out_and_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[int] = []
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the buffers the pool maps from here on, one entry per mapping."""
+    sizes: list[int] = []
     real = staging._mapping
 
     def mapping(size: int) -> object:
-        made.append(size)
+        sizes.append(size)
         return real(size)
 
     monkeypatch.setattr(staging, "_mapping", mapping)
+    return sizes
+
+
+def test_leases_are_private_page_laid_out_and_reused(made: list[int]) -> None:
     pool = StagingPool(8 * MiB)
     for _ in range(5):
         with pool.lease(3 * MiB) as staged:
@@ -97,16 +103,8 @@ def test_many_savers_never_hold_more_than_the_bound(tmp_path: Path) -> None:
 
 
 def test_saves_copy_into_the_process_pool_and_store_what_they_copied(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made: list[int]
 ) -> None:
-    made: list[int] = []
-    real = staging._mapping
-
-    def mapping(size: int) -> object:
-        made.append(size)
-        return real(size)
-
-    monkeypatch.setattr(staging, "_mapping", mapping)
     leased: list[int] = []
     real_lease = StagingPool.lease
 

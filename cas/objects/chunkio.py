@@ -17,7 +17,6 @@ from cas.model.manifest import ChunkRef
 from cas.objects import readahead
 from cas.objects.chunking import Cut
 from cas.objects.private import private_view
-from cas.objects.readahead import ReadAhead
 from cas.objects.store import ObjectStore, PutResult, chunk_key
 
 T = TypeVar("T")
@@ -220,7 +219,7 @@ class ChunkIO:
 
     def _read_ahead(
         self, jobs: Sequence[tuple[Sequence[ChunkRef], memoryview]]
-    ) -> ReadAhead | None:
+    ) -> readahead.ReadAhead | None:
         """Read-ahead of the chunk files a load of ``jobs`` reads, in the readers' order, for a
         load of ``MIN_BYTES`` or more from files on this machine (``cas.objects.readahead``)."""
         blobs = self.objects.blobs
@@ -237,7 +236,7 @@ class ChunkIO:
                     seen.add(ref.digest)
                     paths.append(path)
                     sizes.append(ref.size)
-        return ReadAhead(paths, sizes).start()
+        return readahead.ReadAhead(paths, sizes).start()
 
     def iter_chunks(
         self, chunks: Iterable[ChunkRef], prefetch: int = 16

@@ -17,7 +17,6 @@ ever advises; every byte is still read and checked by the readers.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import threading
@@ -99,10 +98,8 @@ def advise_if_cold(path: Path) -> bool:
         size = os.fstat(fd).st_size
         if size and _cached(fd, (size - 1) // _PROBE * _PROBE):
             return False
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            return True
-        return False
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        return True
     except OSError:
         return False
     finally:
