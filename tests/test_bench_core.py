@@ -30,7 +30,7 @@ def test_the_core_benchmark_reports_every_peer_the_floor_and_cas_put_in_one_run(
     assert run.returncode == 0, run.stderr[-2000:]
     core = json.loads(out.read_text())["sections"]["core"]
     assert set(core["rows"]) == {"torch.save", "safetensors", "dcp", "cas"}
-    assert set(core["ceiling_s"]) == {"one file", "parallel", "direct"}
+    assert set(core["ceiling_s"]) == {"one file", "parallel", "direct", "direct chunks"}
     assert all(seconds > 0 for seconds in core["ceiling_s"].values())
     assert core["put_pt_s"] > 0
     assert core["resave_floor_s"] > 0

@@ -36,6 +36,7 @@ NAMING = {
     ("objects/store.py", "put_chunk"),  # the name of the bytes a writer stores
     ("objects/store.py", "_put_private"),
     ("objects/store.py", "put_manifest"),
+    ("objects/overlap.py", "_hash"),  # a new chunk's name, computed while its file is written
     ("objects/encoding.py", "_first_new_chunk"),  # which chunks of a tensor a parent holds
     ("blobstore/local.py", "_key_lock"),  # a lock file's name
     ("blobstore/local.py", "_current_version"),  # a conditional write's version token

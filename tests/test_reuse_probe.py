@@ -11,6 +11,7 @@ import pytest
 
 import cas
 import cas.blobstore.local as local_module
+import cas.objects.overlap as overlap_module
 import cas.objects.store as store_module
 from cas.blobstore.direct import O_DIRECT
 from cas.digest import Digest, digest_of
@@ -52,7 +53,8 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.fixture
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the buffers the chunk door hashes."""
+    """The sizes of the buffers the chunk door hashes, itself or while it writes them
+    (``cas.objects.overlap``)."""
     sizes: list[int] = []
     real = digest_of  # the store module calls it by this name; patched there below
 
@@ -61,6 +63,7 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(data)
 
     monkeypatch.setattr(store_module, "digest_of", counting)
+    monkeypatch.setattr(overlap_module, "digest_of", counting)
     return sizes
 
 

@@ -16,8 +16,9 @@ import pytest
 import cas
 from cas.errors import CASError
 from cas.objects import staging
+from cas.objects.chunkio import WORKERS
 from cas.objects.private import PAYLOAD_OFFSET, is_private
-from cas.objects.staging import StagingPool, pool_limit
+from cas.objects.staging import CPU_SLOTS, StagingPool, pool_limit
 from tests.helpers import ref_chunk_paths
 
 MiB = 1 << 20
@@ -118,7 +119,7 @@ def test_saves_copy_into_the_process_pool_and_store_what_they_copied(
     repo.save(first, "runs/a")
     repo.save(tensors(24, 2), "runs/b")  # all new bytes again: the same buffers serve them
     # 48 chunks copied privately, through at most one buffer per chunk worker.
-    assert leased == [2 * MiB] * 48 and len(made) <= 8
+    assert leased == [2 * MiB] * 48 and len(made) <= WORKERS
     pool = staging.staging_pool()
     assert 0 < pool.held <= pool.limit
     back = repo.load("runs/a")
@@ -192,9 +193,15 @@ def test_a_forked_child_saves_through_a_pool_of_its_own(tmp_path: Path) -> None:
     pool = staging.staging_pool()
     held = pool.lease(2 * MiB)
     held.__enter__()  # another thread's lease, open at the fork
+    cores = staging.cores()
+    for _ in range(cores):
+        CPU_SLOTS.__enter__()  # and every CPU slot, held by chunk workers at the fork
     try:
         pid = os.fork()
         if pid == 0:  # the child: a new pool, and a save that does not wait on the parent's
+            import signal
+
+            signal.alarm(60)  # a child stuck on the parent's slots dies instead of hanging
             # numpy, not torch ops: torch's thread pool does not survive a fork
             ok = staging.staging_pool() is not pool
             repo = cas.open(tmp_path / "child")
@@ -203,4 +210,65 @@ def test_a_forked_child_saves_through_a_pool_of_its_own(tmp_path: Path) -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
+        for _ in range(cores):
+            CPU_SLOTS.__exit__()
         held.__exit__(None, None, None)
+
+
+def test_pool_buffers_start_on_a_huge_page_boundary_and_ask_for_huge_pages() -> None:
+    pool = StagingPool(16 * MiB)
+    with pool.lease(4 * MiB) as staged:
+        start = staged.ctypes.data - PAYLOAD_OFFSET
+        assert start % (2 * MiB) == 0
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        smaps = Path("/proc/self/smaps")
+        if not (thp.exists() and smaps.exists()) or "[never]" in thp.read_text():
+            return  # no huge pages here to ask for: the alignment is all there is to see
+        eligible = None
+        for block in smaps.read_text().split("\n")[:-1]:
+            if "-" in block.split(" ", 1)[0] and not block.startswith(("THP", " ")):
+                low, high = (int(x, 16) for x in block.split(" ", 1)[0].split("-"))
+                inside = low <= start < high
+            elif inside and block.startswith("THPeligible:"):
+                eligible = block.split()[1]
+        assert eligible == "1"  # MADV_HUGEPAGE took: the kernel may back it with 2 MiB pages
+
+
+def test_a_save_copies_and_hashes_no_more_chunks_at_once_than_there_are_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cas.objects import store
+
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def watched(real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            nonlocal running, most
+            if not is_private(args[0]):
+                return real(*args)  # a re-save's probe where the bytes lie: no disk to wait on
+            with lock:
+                running += 1
+                most = max(most, running)
+            try:
+                time.sleep(0.005)  # long enough for every free worker to arrive meanwhile
+                return real(*args)
+            finally:
+                with lock:
+                    running -= 1
+
+        return call
+
+    from cas.digest import digest_of
+    from cas.objects.private import copy_into
+
+    monkeypatch.setattr(store, "copy_into", watched(copy_into))
+    monkeypatch.setattr(store, "digest_of", watched(digest_of))
+    repo = cas.open(tmp_path / "store")
+    state = tensors(32, 3)
+    repo.save(state, "runs/a")
+    assert repo.io.workers == WORKERS > staging.cores()
+    assert 1 <= most <= staging.cores()
+    back = repo.load("runs/a")
+    assert all(bool((back[k] == v).all()) for k, v in state.items())

@@ -7,7 +7,7 @@ import os
 import re
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NewType, TypeAlias
@@ -165,6 +165,12 @@ class BlobStore(ABC):
         against another base) by two writers, and the loser must learn which encoding is stored
         rather than replace one that a committed manifest may already depend on.
         """
+
+    def put_if_absent_named(self, key_of: Callable[[], str], data: Payload) -> bool:
+        """``put_if_absent`` under the key ``key_of()`` returns, which a store may ask for only
+        once it has written the bytes aside: a local store writes its temp file first, so a
+        chunk's name (its hash) is computed while the disk writes. Here, the name first."""
+        return self.put_if_absent(key_of(), data)
 
     @abstractmethod
     def touch(self, key: str) -> None:

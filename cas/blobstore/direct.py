@@ -25,6 +25,7 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,13 @@ O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 IOV_MAX: int = os.sysconf("SC_IOV_MAX") if O_DIRECT else 0
 """Buffers one ``pwritev`` takes; a write with more is split across calls. Asked only where
 ``O_DIRECT`` exists, as not every platform has ``sysconf``."""
+
+
+HUGE = 2 << 20
+"""A transparent huge page: staging buffers start on this boundary."""
+_MADV_POPULATE_WRITE = 23
+"""Linux 5.14's advice to fault a range in, writable, in one call (not named by ``mmap`` before
+Python 3.13); older kernels refuse it and the range is written through instead."""
 
 
 class DirectIOUnsupported(OSError):
@@ -72,6 +80,26 @@ class AlignedBuffers:
             buffer = mmap.mmap(-1, _aligned(size))
             self._local.buffer = buffer
         return buffer
+
+
+def huge_page_region(size: int, *, populate: bool = False) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping and the offset in it of ``size`` bytes that start on a 2 MiB
+    boundary and are advised for transparent huge pages (faulted in now if ``populate``). The
+    mapping is larger by up to 2 MiB of address space that is never touched, so it costs no
+    memory. Staging buffers of every kind (the pool of ``cas.objects.staging``, a manager's) are made so."""
+    import numpy as np
+
+    mapping = mmap.mmap(-1, size + HUGE - ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -np.frombuffer(mapping, dtype=np.uint8).ctypes.data % HUGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with suppress(OSError):
+            mapping.madvise(mmap.MADV_HUGEPAGE, start, size)
+    if populate:
+        try:
+            mapping.madvise(_MADV_POPULATE_WRITE, start, size)
+        except OSError:
+            np.frombuffer(mapping, dtype=np.uint8)[start : start + size : ALIGN] = 0
+    return mapping, start
 
 
 def wants_direct(total: int) -> bool:

@@ -9,7 +9,7 @@ import fcntl
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from stat import S_ISREG
@@ -264,18 +264,31 @@ class LocalBlobStore(BlobStore):
         Durable after ``sync``, like ``put``: the temp file is fsynced before it is linked, and
         the directory holding the new name is fsynced by ``sync``.
         """
-        path = self._path(key)
+        self._path(key)  # a key no file may have fails before anything is written
+        return self._create(lambda: key, data)
+
+    def put_if_absent_named(self, key_of: Callable[[], str], data: Payload) -> bool:
+        """``put_if_absent``, the temp file written and fsynced before ``key_of`` is asked; the
+        name first where a subclass overrides ``put_if_absent``, so it sees every create."""
+        if type(self).put_if_absent is not LocalBlobStore.put_if_absent:
+            return self.put_if_absent(key_of(), data)
+        return self._create(key_of, data)
+
+    def _create(self, key_of: Callable[[], str], data: Payload) -> bool:
+        path: Path | None = None
         try:
-            self._ensure_parent(path)
             tmp = self._write_temp(*parts_of(data))
             try:
+                path = self._path(key_of())
+                self._ensure_parent(path)
                 os.link(tmp, path)
             except FileExistsError:
                 return False
             finally:
                 _discard(tmp)  # the blob keeps its own name; drop the temp one
         except OSError as e:
-            raise BackendError(f"writing {path}: {e.strerror}") from e
+            raise BackendError(f"writing {path or self.root}: {e.strerror}") from e
+        assert path is not None  # linked under it
         with self._dirty_lock:
             self._dirty_dirs.add(path.parent)
         return True

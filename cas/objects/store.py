@@ -18,7 +18,7 @@ from cas.blobstore.copier import BlobCopier
 from cas.codecs import Codec, EncodeHints, codec_by_id, codec_by_name
 from cas.digest import Digest, digest_of
 from cas.errors import CASError, FormatError, IntegrityError, NotFound
-from cas.objects import inventory, readcheck
+from cas.objects import inventory, overlap, readcheck
 from cas.objects.buffers import gather, scatter
 from cas.objects.decoding import MAX_DELTA_DEPTH as MAX_DELTA_DEPTH
 from cas.objects.decoding import ChainDecoder, OtherSize
@@ -44,7 +44,7 @@ from cas.objects.private import (
 from cas.objects.quarantine import Quarantine, QuarantineRecord
 from cas.objects.results import CopiedObject as CopiedObject
 from cas.objects.results import PutResult as PutResult
-from cas.objects.staging import staging_pool
+from cas.objects.staging import CPU_SLOTS, staging_pool
 from cas.objects.sweep import Sweeper, sweeper_for
 
 DEFAULT_HINTS = EncodeHints()
@@ -68,15 +68,12 @@ def manifest_key(digest: Digest) -> str:
 class ObjectStore:
     """Chunks and manifests on a BlobStore: dedup on put, verification on get.
 
-    ``put_chunk`` of a chunk that already exists writes nothing but refreshes its modification
-    time, so an age-based GC sweep running concurrently spares it (dulwich's "freshen"). New
-    chunks are written create-only, so the first stored encoding of a chunk is never replaced by
-    a concurrent writer's (see ``_create``).
-
+    ``put_chunk`` of a stored chunk writes nothing but refreshes its modification time, so an
+    age-based GC sweep running concurrently spares it (dulwich's "freshen"). New chunks are
+    written create-only: a chunk's first stored encoding is never replaced (``_create``).
     A read or verification that finds an object corrupt moves it into the store's quarantine
     (``cas.objects.quarantine``) when the fault lies in its own stored bytes, so it is no longer
-    reused: ``_found_corrupt`` says how the fault is pinned on one object of a delta chain.
-    """
+    reused: ``_found_corrupt`` says how the fault is pinned on one object of a delta chain."""
 
     def __init__(self, blobs: BlobStore, *, max_object_size: int = 256 << 20) -> None:
         self.blobs = blobs
@@ -126,7 +123,7 @@ class ObjectStore:
         if not replace and not is_private(data) and self._reuse.likely():
             # Probe where the bytes lie: a reuse writes nothing, so it needs no private reading
             # (invariant 9 is about what is written); a miss falls through to one.
-            probed = digest_of(data)
+            probed = digest_of(data)  # outside CPU_SLOTS: a re-save has no disk writes to feed
             if expected is None or probed == expected:
                 reused = self._reused(probed, memoryview(data).nbytes, freshen)
                 if reused is not None:
@@ -139,7 +136,8 @@ class ObjectStore:
         # A large chunk of memory someone else may change: one copy into the staging pool, which
         # is private, warm, and laid out for a direct write past the page cache.
         with staging_pool().lease(view.nbytes) as staged:
-            copy_into(staged, view)
+            with CPU_SLOTS:
+                copy_into(staged, view)
             return self._put_private(
                 data, memoryview(staged), codec, hints, expected, freshen, replace, encoded
             )
@@ -148,13 +146,21 @@ class ObjectStore:
         self, data: object, view: memoryview, codec: Codec, hints: EncodeHints,
         expected: Digest | None, freshen: bool, replace: bool, encoded: Encoding | None,
     ) -> PutResult:  # fmt: skip
-        """``put_chunk`` once ``view`` is a private reading of ``data``: hash it, encode it and
-        write it create-only unless stored. New chunks go past the page cache where the store
-        can (``for_background_writes``): a full save then never faults in fresh cache pages."""
-        digest = digest_of(view)
+        """``put_chunk`` once ``view`` is a private reading of ``data``: hash, encode and write it
+        create-only unless stored, past the page cache where the store can (a new raw chunk while
+        it is hashed, ``cas.objects.overlap``)."""
+        plain = (
+            expected is None and not replace and encoded is None and self._cold is not self.blobs
+        )
+        if plain and overlap.writes_first(view, codec, self._reuse):
+            stored, digest = overlap.write_while_hashing(self._cold, view, codec, self._reuse)
+            if stored:
+                return PutResult(digest, len(view), HEADER_SIZE + len(view), True, None)
+        else:
+            with CPU_SLOTS:
+                digest = digest_of(view)
         if expected is not None and digest != expected:
             raise IntegrityError(f"bytes given as chunk {expected} hash to {digest}; not stored")
-        key = chunk_key(digest)
         if not replace:
             reused = self._reused(digest, len(view), freshen)
             if reused is not None:
@@ -162,10 +168,11 @@ class ObjectStore:
         if encoded is not None and encoded.source is data and encoded.codec is codec:
             params, payload = encoded.params, encoded.payload
         else:
-            params, payload = codec.encode(view, hints)
+            with CPU_SLOTS:
+                params, payload = codec.encode(view, hints)
         header = encode_header(codec, params, len(view))
         if replace:
-            self.blobs.put(key, (header, payload))
+            self.blobs.put(chunk_key(digest), (header, payload))
         else:
             outcome = self._create(digest, (header, payload), freshen, len(view), self._cold)
             if outcome is None:
@@ -175,7 +182,7 @@ class ObjectStore:
                     codec = codec_by_name("zstd")
                     params, payload = codec.encode(view, hints)
                     header = encode_header(codec, params, len(view))
-                self.blobs.put(key, (header, payload))
+                self.blobs.put(chunk_key(digest), (header, payload))
             elif not outcome[0]:
                 return PutResult(digest, len(view), 0, False, outcome[1])
         base = codec.base_of(params) if codec.needs_base else None
@@ -228,9 +235,9 @@ class ObjectStore:
         given), from one read of its first ``HEAD_READ`` bytes: whether a writer may reuse it. A
         header that is unreadable or declares another size is not sound, nor is a chunk read
         whole (small, and needing no base) whose bytes do not decode to ``digest``: writers
-        store those again. Larger chunks are judged by their header
-        alone; verifying them would cost a download per reuse (a reader that finds one corrupt
-        quarantines it, and the next put stores it again).
+        store those again. Larger chunks are judged by their header alone; verifying them would
+        cost a download per reuse (a reader that finds one corrupt quarantines it, and the next
+        put stores it again).
         """
         try:
             head = self.blobs.get_range(chunk_key(digest), 0, HEAD_READ)

@@ -35,7 +35,7 @@ from cas.model.state import TensorSource, encode_state, iter_tensor_paths
 from cas.names import RefName, parse_ref_name
 from cas.objects.chains import ChunkCache
 from cas.objects.chunking import fixed_cuts
-from cas.objects.chunkio import ChunkIO, Progress, WriteStats, wait_all
+from cas.objects.chunkio import WORKERS, ChunkIO, Progress, WriteStats, wait_all
 from cas.objects.encoding import (
     DeltaSettings,
     PendingTensor,
@@ -82,7 +82,7 @@ def default_readers(blobs: BlobStore) -> int:
 
     A local read is CPU work (page-cache copy, blake3, decode) and extra threads only queue on
     the GIL: on 2 cores, delta-encoded GPT checkpoints loaded 1.15x faster with 3 reads at once
-    than with 8 (docs/design.md). Writes keep all eight workers, since they wait on fsync;
+    than with 8 (docs/design.md). Writes keep all the workers, since they wait on the disk;
     remote reads wait on the network.
     """
     if blobs.reads_in_place:
@@ -100,7 +100,7 @@ class RepositoryCore(RefOperations):
         config: StoreConfig,
         *,
         clock: Callable[[], float] = time.time,
-        workers: int = 8,
+        workers: int = WORKERS,
         owns_blobs: bool = True,
         read_limits: ReadLimits | None = None,
     ) -> None:

@@ -32,7 +32,7 @@ from cas.model.state import (
     writable_view,
 )
 from cas.names import parse_ref_name
-from cas.objects.chunkio import Progress
+from cas.objects.chunkio import WORKERS, Progress
 from cas.objects.keys import ObjectKind
 from cas.refs.leases import leased
 from cas.repo.core import RepositoryCore
@@ -59,7 +59,7 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def for_background_writes(self, workers: int = 8) -> Repository:
+    def for_background_writes(self, workers: int = WORKERS) -> Repository:
         """The same store for a training loop's background saves: chunk workers of its own
         (started from the saving thread, so they inherit its priority) and writes that bypass
         the page cache where the store can (a local store's direct I/O; staging buffers laid

@@ -378,6 +378,30 @@ class BlobStoreConformance(BlobStoreReadConformance):
         assert store.get("chunks/ab/old") == b"put first"
         assert set(store.list("chunks/")) == {"chunks/ab/new", "chunks/ab/old"}
 
+    def test_put_if_absent_named_asks_the_name_once_and_creates_only(
+        self, store: BlobStore
+    ) -> None:
+        asked: list[str] = []
+
+        def name(key: str) -> Callable[[], str]:
+            def ask() -> str:
+                asked.append(key)
+                return key
+
+            return ask
+
+        assert store.put_if_absent_named(name("chunks/cd/new"), (b"named ", b"bytes")) is True
+        assert store.get("chunks/cd/new") == b"named bytes" and asked == ["chunks/cd/new"]
+        assert store.put_if_absent_named(name("chunks/cd/new"), b"other") is False
+        assert store.get("chunks/cd/new") == b"named bytes"
+
+        def no_name() -> str:
+            raise IntegrityError("the bytes changed while they were hashed")
+
+        with pytest.raises(IntegrityError):
+            store.put_if_absent_named(no_name, b"never named")
+        assert set(store.list("")) == {"chunks/cd/new"}  # nothing left under any name
+
     def test_a_deleted_key_can_be_created_again(self, store: BlobStore) -> None:
         assert store.put_if_absent("chunks/again", b"one") is True
         store.delete("chunks/again")

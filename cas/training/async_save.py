@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import mmap
 import os
 import sys
 import threading
@@ -26,6 +25,7 @@ import numpy as np
 
 from cas.errors import CASError
 from cas.model.state import alias_key, build_sparse, sparse_layout, sparse_parts
+from cas.objects.staging import huge_page_region
 from cas.repo.background import staging_offset
 
 if TYPE_CHECKING:
@@ -246,8 +246,8 @@ def staging_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     offset = staging_offset(nbytes)
     if offset is None:
         return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, offset + nbytes)  # the tensor keeps it mapped
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+    region, start = huge_page_region(offset + nbytes)  # the tensor keeps it mapped
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start + offset)
     return flat.view(dtype).reshape(shape)
 
 
