@@ -47,6 +47,7 @@ from cas.blobstore.base import (
 )
 from cas.blobstore.bulk import read_into
 from cas.blobstore.cache import CachingBlobStore
+from cas.blobstore.direct import huge_page_region
 from cas.blobstore.wrapper import BlobStoreWrapper
 from cas.errors import FormatError, IntegrityError
 
@@ -99,29 +100,33 @@ class BufferPool:
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
-        self._free: list[mmap.mmap] = []
+        self._free: list[tuple[mmap.mmap, memoryview]] = []
         self._lock = threading.Lock()
 
     @contextmanager
     def lease(self, size: int) -> Iterator[memoryview]:
-        """A buffer of at least ``size`` bytes, this caller's until the block ends."""
+        """A buffer of at least ``size`` bytes, this caller's until the block ends. Buffers are
+        in huge pages where the kernel has them (``huge_page_region``): a sealed chunk written
+        past the page cache from one reaches the disk in fewer, larger requests."""
         with self._lock:
-            fits = [b for b in self._free if len(b) >= size]
-            buffer = min(fits, key=len) if fits else None
-            if buffer is not None:
-                self._free.remove(buffer)
-        if buffer is None:
-            buffer = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+            fits = [held for held in self._free if len(held[1]) >= size]
+            held = min(fits, key=lambda fit: len(fit[1])) if fits else None
+            if held is not None:
+                self._free.remove(held)
+        if held is None:
+            length = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+            mapping, start = huge_page_region(length, populate=True)
+            held = (mapping, memoryview(mapping)[start : start + length])
         try:
-            yield memoryview(buffer)
+            yield held[1]
         finally:
             with self._lock:
-                if sum(len(b) for b in self._free) + len(buffer) <= self.keep:
-                    self._free.append(buffer)
+                if sum(len(view) for _, view in self._free) + len(held[1]) <= self.keep:
+                    self._free.append(held)
 
 
 BUFFERS = BufferPool(keep=64 << 20)
-"""The process's pool: room for a full-size chunk, or for eight workers' default-size ones."""
+"""The process's pool: room for a full-size chunk, or for twelve workers' default-size ones."""
 
 
 def _fresh_pool_in_child() -> None:
