@@ -44,3 +44,20 @@ def test_the_core_benchmark_reports_every_peer_the_floor_and_cas_put_in_one_run(
         "load_vs_torch_load_speed",
     }
     assert "plain durable writes of the same bytes" in run.stdout
+
+
+def test_the_write_shapes_benchmark_reports_every_shape_beside_cas(tmp_path: Path) -> None:
+    out = tmp_path / "shapes.json"
+    options = ["--size-gb", "0.02", "--repeat", "1", "--json", str(out), "--workdir", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_write_shapes.py"), *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    shapes = ["small pages", "huge pages", "+ temp and link", "+ header and truncate"]
+    assert list(result["median_s"]) == [*shapes, "+ blake3 first", "cas"]
+    assert all(len(times) == 1 and times[0] > 0 for times in result["rounds_s"].values())
+    assert result["files"] > 0 and "cas" in run.stdout
