@@ -227,18 +227,12 @@ def ceiling_writers(
 
 
 def huge_page_buffer(size: int) -> memoryview:
-    """``size`` bytes on a 2 MiB boundary in transparent huge pages where the kernel gives them
-    (as cas's staging pool holds chunks): a direct write from them reaches the disk in fewer,
-    larger requests than from 4 KiB pages."""
-    import mmap
+    """``size`` bytes on a 2 MiB boundary in transparent huge pages where the kernel gives them,
+    made as cas's staging pool makes its buffers: a direct write from them reaches the disk in
+    fewer, larger requests than from 4 KiB pages."""
+    from cas.blobstore.direct import huge_page_region
 
-    import numpy as np
-
-    huge = 2 << 20
-    mapping = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -np.frombuffer(mapping, dtype=np.uint8).ctypes.data % huge
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, size)
+    mapping, start = huge_page_region(size, populate=True)
     return memoryview(mapping)[start : start + size]
 
 
