@@ -29,6 +29,7 @@ import io
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,80 +47,9 @@ from cas.training.manager import CheckpointManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_manager import DCPAsyncSaver
+from gpt_model import SIZES, Loop
 
 BUCKET = "bench"
-
-
-class GPT(torch.nn.Module):
-    """A small decoder-only transformer: what a language-model checkpoint holds."""
-
-    def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.position = torch.nn.Parameter(torch.zeros(context, width))
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(
-                width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
-            )
-            for _ in range(layers)
-        )
-        self.norm = torch.nn.LayerNorm(width)
-        self.head = torch.nn.Linear(width, vocab)
-
-    def features(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        out: torch.Tensor = self.norm(x)
-        return out
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.head(self.features(tokens))
-        return logits
-
-
-SIZES = {
-    "full": {"vocab": 2048, "width": 128, "layers": 2, "heads": 4, "context": 32, "batch": 4},
-    "quick": {"vocab": 256, "width": 32, "layers": 1, "heads": 2, "context": 16, "batch": 2},
-    # Resume only: a frozen-backbone checkpoint of 84 MB, where the bytes, not fixed costs, count.
-    "large": {"vocab": 8192, "width": 512, "layers": 4, "heads": 8, "context": 32, "batch": 4},
-}
-
-
-class Loop:
-    """A model, its optimizer and one batch: ``step()`` is a training step."""
-
-    def __init__(self, size: dict[str, int], *, frozen_backbone: bool = False) -> None:
-        torch.manual_seed(0)
-        self.size = size
-        self.model = GPT(size["vocab"], size["width"], size["layers"], size["heads"],
-                         size["context"])  # fmt: skip
-        self.task: torch.nn.Module | None = None
-        if frozen_backbone:  # a classifier trained on the frozen pretrained model's features
-            self.model.requires_grad_(False)
-            self.task = torch.nn.Linear(size["width"], 16)
-            self.model.add_module("task", self.task)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(trainable, lr=1e-3)
-        self.tokens = torch.randint(0, size["vocab"], (size["batch"], size["context"]))
-        self.labels = torch.randint(0, 16, (size["batch"],))
-
-    def step(self) -> None:
-        loss: Any
-        if self.task is not None:
-            pooled = self.model.features(self.tokens).mean(dim=1)
-            loss = torch.nn.functional.cross_entropy(self.task(pooled), self.labels)
-        else:
-            logits = self.model(self.tokens)
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), self.tokens[:, 1:].reshape(-1)
-            )
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
 
 
 def start_seaweed(root: Path) -> SeaweedServer:
@@ -265,7 +195,9 @@ def stall(
 # -- 2. bytes per checkpoint of a frozen-backbone fine-tune, and 4. resume -------------------------
 
 
-def finetune(size: dict[str, int], root: Path, saves: int, steps: int) -> dict[str, Any]:
+def finetune(
+    size: dict[str, int], root: Path, saves: int, steps: int, processes: int = 5
+) -> dict[str, Any]:
     loop = Loop(size, frozen_backbone=True)
     url = s3_url("finetune")
     repo = cas.open(root / "finetune")
@@ -287,13 +219,17 @@ def finetune(size: dict[str, int], root: Path, saves: int, steps: int) -> dict[s
         "later_checkpoint_sent_bytes_median": statistics.median(sent[1:]),
         "sent_over_full": statistics.median(later),
     }
-    rows["resume"] = resume(loop, url, root)
+    rows["resume"] = resume(loop, url, root, processes=processes)
     return rows
 
 
-def resume(loop: Loop, url: str, root: Path, repeats: int = 5) -> dict[str, Any]:
+def resume(
+    loop: Loop, url: str, root: Path, repeats: int = 5, processes: int = 5
+) -> dict[str, Any]:
     """First training step on a new machine: from the remote tier (empty local store, and with
-    the frozen base cached), against boto3 downloading one .pt and torch.load."""
+    the frozen base cached), against boto3 downloading one .pt and torch.load. ``repeats`` of
+    each in this process (the clocks start at the manager and at the GET), then ``processes``
+    of each in a new process (the clocks start with the process: ``resume_child.py``)."""
     import boto3
 
     client = boto3.client("s3")
@@ -339,12 +275,39 @@ def resume(loop: Loop, url: str, root: Path, repeats: int = 5) -> dict[str, Any]
         loop.step()
         return time.perf_counter() - start
 
+    def in_new_process(*args: str) -> float:
+        """A resume in a process of its own (``resume_child.py``), from starting it to its
+        first step: the interpreter, imports and the S3 client included, as on a new node."""
+        start = time.perf_counter()
+        child = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "resume_child.py"), *args],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        elapsed = time.perf_counter() - start
+        child.communicate(timeout=300)
+        if line.strip() != "stepped" or child.returncode:
+            raise RuntimeError(f"resume_child.py {args[0]} failed ({child.returncode})")
+        return elapsed
+
+    size = next(name for name, value in SIZES.items() if value == loop.size)
+
+    def cas_in_new_process(cached: bool) -> float:
+        store = Path(tempfile.mkdtemp(dir=root))
+        if cached:
+            cas.open(store).save({"base": base}, "models/base")
+        return in_new_process("cas", size, str(store), url)
+
     runs: dict[str, list[float]] = {
         "cas_empty_machine_s": [],
         "cas_base_cached_s": [],
         "boto3_pt_torch_load_s": [],
         "boto3_pt_torch_load_with_client_s": [],
         "cas_load_from_remote_only_s": [],
+        "new_process_cas_empty_machine_s": [],
+        "new_process_cas_base_cached_s": [],
+        "new_process_boto3_pt_torch_load_s": [],
     }
     for _ in range(repeats):
         runs["cas_empty_machine_s"].append(from_cas(False))
@@ -352,6 +315,14 @@ def resume(loop: Loop, url: str, root: Path, repeats: int = 5) -> dict[str, Any]
         runs["boto3_pt_torch_load_s"].append(from_pt())
         runs["boto3_pt_torch_load_with_client_s"].append(from_pt(own_client=True))
         runs["cas_load_from_remote_only_s"].append(from_remote_only())
+    kinds: list[tuple[str, Callable[[], float]]] = [
+        ("new_process_cas_empty_machine_s", lambda: cas_in_new_process(False)),
+        ("new_process_cas_base_cached_s", lambda: cas_in_new_process(True)),
+        ("new_process_boto3_pt_torch_load_s", lambda: in_new_process("boto3", size, BUCKET, key)),
+    ]
+    for turn in range(processes):  # in rotating order: none always starts first
+        for name, measure in kinds[turn % 3 :] + kinds[: turn % 3]:
+            runs[name].append(measure())
     rows: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
     rows["pt_bytes"] = len(blob.getvalue())
     # The target's figure: boto3's client made before the clock starts (cas opens its remote,
@@ -360,6 +331,14 @@ def resume(loop: Loop, url: str, root: Path, repeats: int = 5) -> dict[str, Any]
     rows["cached_over_boto3"] = rows["cas_base_cached_s"] / rows["boto3_pt_torch_load_s"]
     rows["empty_over_boto3_with_client"] = (
         rows["cas_empty_machine_s"] / rows["boto3_pt_torch_load_with_client_s"]
+    )
+    # From a new process's start, as a job that lands on a new node resumes: both pay for the
+    # interpreter, their imports and an S3 client.
+    rows["new_process_empty_over_boto3"] = (
+        rows["new_process_cas_empty_machine_s"] / rows["new_process_boto3_pt_torch_load_s"]
+    )
+    rows["new_process_cached_over_boto3"] = (
+        rows["new_process_cas_base_cached_s"] / rows["new_process_boto3_pt_torch_load_s"]
     )
     return rows
 
@@ -373,7 +352,7 @@ def resume_large(size: dict[str, int], root: Path, repeats: int) -> dict[str, An
         loop.step()
         mgr.save(1, loop.state).result()
         mgr.tier.wait(300)
-    rows = resume(loop, url, root, repeats)
+    rows = resume(loop, url, root, repeats, processes=repeats)
     rows["model"] = size
     return rows
 
@@ -498,7 +477,13 @@ def run(quick: bool, root: Path) -> dict[str, Any]:
             "note": "one run on a shared, noisy 2-core machine; SeaweedFS on the same host",
             "model": size,
             "stall": stall(size, root, every=5 if quick else 10, rounds=2 if quick else 5),
-            "bytes": finetune(size, root, saves=3 if quick else 5, steps=2 if quick else 3),
+            "bytes": finetune(
+                size,
+                root,
+                saves=3 if quick else 5,
+                steps=2 if quick else 3,
+                processes=1 if quick else 5,
+            ),
             "throughput": throughput(root, 2 if quick else 32, 1 if quick else 2),
             "drain_cpu": drain_cpu(size, root, server, saves=3 if quick else 8),
         }

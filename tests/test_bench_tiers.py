@@ -23,6 +23,9 @@ def test_quick_tiers_bench_measures_every_peer_against_its_own_seaweed(tmp_path:
     assert 0 < sent["sent_over_full"] < 1
     resume = sent["resume"]
     assert resume["cas_empty_machine_s"] > 0 and resume["boto3_pt_torch_load_s"] > 0
+    # The same resumes in processes of their own (resume_child.py), each to its first step.
+    for kind in ("cas_empty_machine_s", "cas_base_cached_s", "boto3_pt_torch_load_s"):
+        assert resume[f"new_process_{kind}"] > 0
     assert results["throughput"]["cas_drain_MBps"] > 0
     assert set(results["targets"]) == {
         "stall_tiered_over_local_le_1_05", "stall_tiered_at_or_below_dcp",
