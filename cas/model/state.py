@@ -14,11 +14,8 @@ it comes back bit-exact without being densified.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import math
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -481,48 +478,20 @@ def _tensor_from_bytes(kind: str, dtype: str, shape: tuple[int, ...], buffer: to
     return array[()] if kind == "numpy_scalar" else array
 
 
-HUGE_MIN = 4 << 20
-"""Tensors from this size on are loaded into memory advised for transparent huge pages."""
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-"""Linux's ``MADV_HUGEPAGE`` (``mmap.MADV_HUGEPAGE`` is the same number, where Python has it)."""
-
-
 def byte_buffer(nbytes: int) -> torch.Tensor:
     """An uninitialised flat uint8 CPU tensor of ``nbytes``, for reads to fill.
 
-    A large one is advised for transparent huge pages, where the kernel offers them, before a
-    read first writes it: a load writes every byte of its memory, and memory the allocator takes
-    fresh from the kernel faulted in 4 KiB at a time cost more than the read itself (1 GiB on
-    this VM: 0.45 s with 4 KiB pages, 0.10 s with huge ones; docs/design.md). Memory the
-    allocator reuses is already there, and the advice costs it nothing.
+    Plain allocator memory in base pages, as ``torch.load`` gets. Advising it for transparent
+    huge pages (tried, and kept for a while) made the first load of a process twice as slow on
+    a VM whose host takes back the guest's free memory: a fresh huge page is zeroed there
+    through host faults, and the 1 GiB state's first load after its save took 1.19-1.23 s
+    against 0.56-0.65 s in base pages (docs/design.md). Later loads that reuse freed memory
+    were faster in huge pages (0.23-0.27 s against 0.33-0.41 s), but a resume is a process's
+    first load.
     """
     import torch
 
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= HUGE_MIN and _huge_pages():
-        start = -buffer.data_ptr() % _HUGE
-        length = (nbytes - start) // _HUGE * _HUGE
-        if length > 0:
-            _libc().madvise(ctypes.c_void_p(buffer.data_ptr() + start), length, _MADV_HUGEPAGE)
-    return buffer
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-@functools.cache
-def _huge_pages() -> bool:
-    """Whether this kernel gives huge pages to memory that asks (THP ``always`` or ``madvise``)."""
-    if sys.platform != "linux":
-        return False
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def buffer_over(data: bytes | bytearray | memoryview) -> torch.Tensor:
