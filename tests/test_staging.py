@@ -295,3 +295,15 @@ def test_a_save_copies_and_hashes_no_more_chunks_at_once_than_there_are_cores(
     assert 1 <= most <= staging.cores()
     back = repo.load("runs/a")
     assert all(bool((back[k] == v).all()) for k, v in state.items())
+
+
+def test_a_managers_staging_tensors_are_plain_memory_not_advised_for_huge_pages() -> None:
+    """A run's first save faults its staging set in while the loop waits: in huge pages that
+    took four to six times as long here (docs/design.md), so staging tensors do not ask."""
+    from cas.training.async_save import staging_tensor
+
+    if "[madvise]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        pytest.skip("only with THP in madvise mode does the advice show in smaps")
+    staged = staging_tensor(torch.Size([8 << 20]), torch.float32)
+    staged.fill_(1.0)
+    assert _thp_eligible(staged.data_ptr() + staged.nbytes // 2) == "0"

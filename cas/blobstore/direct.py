@@ -86,7 +86,8 @@ def huge_page_region(size: int, *, populate: bool = False) -> tuple[mmap.mmap, i
     """A private anonymous mapping and the offset in it of ``size`` bytes that start on a 2 MiB
     boundary and are advised for transparent huge pages (faulted in now if ``populate``). The
     mapping is larger by up to 2 MiB of address space that is never touched, so it costs no
-    memory. Staging buffers of every kind (the pool of ``cas.objects.staging``, a manager's) are made so."""
+    memory. The staging pool's buffers (``cas.objects.staging``) are made so, and so are the
+    sealed stores' write buffers."""
     import numpy as np
 
     mapping = mmap.mmap(-1, size + HUGE - ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

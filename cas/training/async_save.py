@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 import sys
 import threading
@@ -25,7 +26,6 @@ import numpy as np
 
 from cas.errors import CASError
 from cas.model.state import alias_key, build_sparse, sparse_layout, sparse_parts
-from cas.objects.staging import huge_page_region
 from cas.repo.background import staging_offset
 
 if TYPE_CHECKING:
@@ -239,6 +239,12 @@ def staging_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
     Only when its chunks can be large enough for direct writes: a smaller one would waste most of
     a page and a mapping of its own for nothing. Every dtype's item size divides the offset.
+
+    The mapping is in base pages, not huge ones like the staging pool's. A run's first save
+    faults in its whole staging set while the loop waits: 1 GiB took 1.7-2.4 s in huge pages
+    and 0.41-0.43 s in base pages on this project's VM, where the host takes back free memory
+    (docs/design.md). Huge pages would make each later direct write about a fifth faster, off
+    the loop's path; the first save's stall is on it.
     """
     import torch
 
@@ -246,9 +252,9 @@ def staging_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     offset = staging_offset(nbytes)
     if offset is None:
         return torch.empty(shape, dtype=dtype)
-    region, start = huge_page_region(offset + nbytes)  # the tensor keeps it mapped
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start + offset)
-    return flat.view(dtype).reshape(shape)
+    region = mmap.mmap(-1, offset + nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).reshape(shape)  # the tensor keeps the mapping alive
 
 
 @dataclass
