@@ -483,11 +483,11 @@ def byte_buffer(nbytes: int) -> torch.Tensor:
 
     Plain allocator memory in base pages, as ``torch.load`` gets. Advising it for transparent
     huge pages (tried, and kept for a while) made the first load of a process twice as slow on
-    a VM whose host takes back the guest's free memory: a fresh huge page is zeroed there
-    through host faults, and the 1 GiB state's first load after its save took 1.19-1.23 s
-    against 0.56-0.65 s in base pages (docs/design.md). Later loads that reuse freed memory
-    were faster in huge pages (0.23-0.27 s against 0.33-0.41 s), but a resume is a process's
-    first load.
+    this project's VM, whose host takes back the guest's free memory. Zeroing fresh huge pages
+    was half of such a load's CPU, and the 1 GiB state's first load after its save took
+    1.19-1.23 s against 0.56-0.65 s in base pages (docs/design.md). In the benchmark's warm
+    rounds, which reuse memory just freed, huge pages were faster (0.23-0.27 s against
+    0.33-0.41 s). But a resume is a process's first load.
     """
     import torch
 
