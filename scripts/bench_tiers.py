@@ -239,10 +239,15 @@ def resume(
     client.put_object(Bucket=BUCKET, Key=key, Body=blob.getvalue())
     base = {k: v for k, v in loop.model.state_dict().items() if not k.startswith("task.")}
 
-    def from_cas(cached: bool) -> float:
+    def local_store(cached: bool) -> Path:
+        """A new machine's empty local store, or one that holds the frozen base already."""
         store = Path(tempfile.mkdtemp(dir=root))
         if cached:
             cas.open(store).save({"base": base}, "models/base")
+        return store
+
+    def from_cas(cached: bool) -> float:
+        store = local_store(cached)
         start = time.perf_counter()
         with CheckpointManager(cas.open(store), run="ft", signals=False, remote=url) as mgr:
             restored = mgr.restore("auto")
@@ -294,10 +299,7 @@ def resume(
     size = next(name for name, value in SIZES.items() if value == loop.size)
 
     def cas_in_new_process(cached: bool) -> float:
-        store = Path(tempfile.mkdtemp(dir=root))
-        if cached:
-            cas.open(store).save({"base": base}, "models/base")
-        return in_new_process("cas", size, str(store), url)
+        return in_new_process("cas", size, str(local_store(cached)), url)
 
     runs: dict[str, list[float]] = {
         "cas_empty_machine_s": [],
