@@ -12,11 +12,16 @@ from tests.test_bench_peers import script
 def test_quick_tiers_bench_measures_every_peer_against_its_own_seaweed(tmp_path: Path) -> None:
     require_weed()
     results = script("bench_tiers").run(True, tmp_path)
-    stall = results["stall"]
-    assert stall["drain_left_behind"] == 0  # every save of the tiered manager reached S3
-    assert stall["step_ms"] > 0
-    for saver in ("cas_local_only", "cas_remote_tier", "dcp_async_save_s3"):
-        assert len(stall[saver]["rounds_ms"]) == stall["rounds"]  # one figure per round each
+    for stall in (results["stall"], results["stall_loop_one_thread"]):
+        # Every save of both tiered managers (drain worker, drain thread) reached S3.
+        assert stall["drain_left_behind"] == stall["drain_thread_left_behind"] == 0
+        assert stall["step_ms"] > 0
+        for saver in (
+            "cas_local_only", "cas_remote_tier", "cas_remote_tier_drain_thread",
+            "dcp_async_save_s3",
+        ):  # fmt: skip
+            assert len(stall[saver]["rounds_ms"]) == stall["rounds"]  # one figure per round
+    assert results["stall_loop_one_thread"]["threads"] == 1
     sent = results["bytes"]
     # The first checkpoint sends the frozen backbone; later ones only what changed.
     assert sent["first_checkpoint_sent_bytes"] > sent["later_checkpoint_sent_bytes_median"] > 0
@@ -29,5 +34,6 @@ def test_quick_tiers_bench_measures_every_peer_against_its_own_seaweed(tmp_path:
     assert results["throughput"]["cas_drain_MBps"] > 0
     assert set(results["targets"]) == {
         "stall_tiered_over_local_le_1_05", "stall_tiered_at_or_below_dcp",
+        "one_thread_loop_stall_tiered_over_local_le_1_05",
         "bytes_sent_over_full_le_0_15", "drain_over_boto3_ge_0_9", "resume_empty_le_boto3",
     }  # fmt: skip

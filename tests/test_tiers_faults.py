@@ -52,9 +52,13 @@ def _kept_by_remote_policy(step: int) -> bool:
     return str(step)[-1] in "048"
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
 def test_a_run_killed_at_50_points_of_its_drain_loses_nothing_the_remote_policy_keeps(
-    private_seaweed: SeaweedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    private_seaweed: SeaweedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
+    """``process``: the drain's requests are made by its worker process (the default), which
+    kills itself and the training process at its N-th request, as losing the node would;
+    ``thread``: by a thread of the training process (``CAS_DRAIN=thread``)."""
     url = _remote(private_seaweed, "killed", monkeypatch)
     local = str(tmp_path / "local")
     # fork, not forkserver: a forkserver child takes a second to start on a busy machine, and
@@ -64,7 +68,7 @@ def test_a_run_killed_at_50_points_of_its_drain_loses_nothing_the_remote_policy_
     for i in range(KILLS):
         kill_at = FIRST_KILL + (i * KILL_STRIDE) % KILL_SPAN
         worker = context.Process(
-            target=workers.train_until_killed, args=(local, url, "r1", kill_at)
+            target=workers.train_until_killed, args=(local, url, "r1", kill_at, mode)
         )
         worker.start()
         worker.join(timeout=60)

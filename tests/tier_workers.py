@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -36,8 +37,9 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return {"backbone": torch.ones(32768), "head": head}
 
 
-def kill_at_request(n: int) -> None:
-    """SIGKILL this process when it makes its ``n``-th S3 request (counting from 0)."""
+def kill_at_request(n: int, parent: bool = False) -> None:
+    """SIGKILL this process (and first its parent, with ``parent``: a drain worker's training
+    process, as when the node is lost) when it makes its ``n``-th S3 request (counting from 0)."""
     from botocore.client import BaseClient
 
     calls = itertools.count()
@@ -48,18 +50,26 @@ def kill_at_request(n: int) -> None:
         with lock:
             index = next(calls)
         if index == n:
+            if parent:
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, operation, params)
 
     BaseClient._make_api_call = counted
 
 
-def train_until_killed(local: str, remote: str, run: str, kill_at: int) -> None:
+def train_until_killed(local: str, remote: str, run: str, kill_at: int, mode: str) -> None:
     """Resume (either tier), then save every step with the remote tier on, until the
-    ``kill_at``-th S3 request kills the process."""
+    ``kill_at``-th S3 request of the drain kills the process: ``mode`` ``thread``, a request
+    of this process; ``process``, one of its drain worker, which kills both."""
+    from cas.training import drain_worker
     from cas.training.manager import CheckpointManager
 
-    kill_at_request(kill_at)
+    os.environ[drain_worker.ENV_MODE] = mode
+    if mode == "thread":
+        kill_at_request(kill_at)
+    else:
+        drain_worker.COMMAND = [sys.executable, "-m", "tests.tier_workers", str(kill_at)]
     repo = cas.open(local, config=CONFIG, fsync=False)  # SIGKILL loses no written page
     manager = CheckpointManager(
         repo, run=run, signals=False, policy=LOCAL_POLICY, remote=remote,
@@ -71,3 +81,10 @@ def train_until_killed(local: str, remote: str, run: str, kill_at: int) -> None:
         manager.save(step, weights(step)).result()
         time.sleep(0.1)  # a training step: the drain gets a share of the machine
         step += 1
+
+
+if __name__ == "__main__":  # a drain worker that kills itself and its parent at a request
+    from cas.training.drain_worker import main
+
+    kill_at_request(int(sys.argv[1]), parent=True)
+    sys.exit(main(sys.argv[2:]))

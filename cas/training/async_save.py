@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +25,7 @@ import numpy as np
 from cas.errors import CASError
 from cas.model.state import alias_key, build_sparse, sparse_layout, sparse_parts
 from cas.repo.background import staging_offset
+from cas.training.priority import lower_thread_priority
 
 if TYPE_CHECKING:
     import torch
@@ -306,23 +305,6 @@ class ThreadLender:
         self._lent = None
         if torch.get_num_threads() == lent.threads - 1:  # unless the caller changed it since
             torch.set_num_threads(lent.threads)
-
-
-def lower_thread_priority(increment: int) -> None:
-    """Raise the calling thread's nice value by ``increment`` (Linux; elsewhere a no-op).
-
-    On Linux nice is per thread and threads inherit it, so the chunk workers this thread starts
-    run at the same low priority. Training uses every core through its intra-op threads; a
-    background save at normal priority preempts one of them and stalls each parallel region at
-    its barrier, costing far more than the save's own CPU time. At low priority it runs in the
-    gaps instead.
-    """
-    if increment <= 0 or not sys.platform.startswith("linux"):
-        return
-    thread = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        current = os.getpriority(os.PRIO_PROCESS, thread)
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + increment))
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray[Any, Any]:

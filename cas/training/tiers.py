@@ -32,7 +32,13 @@ from cas.repo.repository import Repository
 from cas.retention.plan import ForgetPlan, ForgetResult
 from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import TIERS_SECTION, PendingCheckpoint, TierLag
-from cas.training.async_save import lower_thread_priority
+from cas.training.drain_worker import (
+    InProcessRemote,
+    RemoteOperations,
+    WorkerRemote,
+    worker_eligible,
+)
+from cas.training.priority import lower_thread_priority
 from cas.training.run_names import Layout
 from cas.training.tier_resume import Newer, RemoteResume
 
@@ -168,6 +174,13 @@ class RemoteTier(RemoteResume):
         """Checkpoints this process pushed to the remote."""
         self.sent_bytes = 0
         """Stored bytes this process's drain wrote to the remote (chunks and manifests)."""
+        self._ops: RemoteOperations = (
+            WorkerRemote(local.url, remote)
+            if isinstance(remote, str) and worker_eligible(local, remote)
+            else InProcessRemote(local, lambda: self.remote)
+        )
+        """Where the drain's requests are made: a worker process where the stores allow it
+        (``cas.training.drain_worker``: the loop keeps the interpreter's lock), else here."""
         record_remote(local, self.url, checkpoints)
         self._thread = threading.Thread(target=self._run, name="cas-drain", daemon=True)
         self._thread.start()
@@ -313,6 +326,7 @@ class RemoteTier(RemoteResume):
             self._stopping = True
             self._cond.notify_all()
         self._thread.join()
+        self._ops.close()
         with self._opening:
             reader, self._reader = self._reader, None
         if reader is not None:
@@ -365,7 +379,7 @@ class RemoteTier(RemoteResume):
             replan, self._replan = self._replan, False
         if replan:
             self._passed.clear()
-        pending = self.local.pending_on(self.remote, self.checkpoints, self._passed, self._there)
+        pending = self._ops.pending(self.checkpoints, self._passed, self._there)
         skip = self._thin(pending)
         self._remember(pending, skip, began)
         todo = [p for p in pending if p.ref not in skip]
@@ -375,14 +389,14 @@ class RemoteTier(RemoteResume):
                     return
             hold = {p.target for p in todo[i + 1 :]}
             known, self._known = self._known, None  # unknown again until this drain succeeds
-            report = None
+            sent = None
             pointed = self._pointer_targets() if not hold else None
             try:
                 with self._cond:
                     latest = self._latest_of.get(item.ref, self.latest)
-                report = self.local.drain_to(
-                    self.remote, item.ref, latest=latest, pointers=self.pointers,
-                    hold_back=hold, jobs=self.jobs, known=known,
+                sent = self._ops.drain(
+                    item.ref, latest=latest, pointers=self.pointers, hold_back=hold,
+                    jobs=self.jobs, known=known,
                 )  # fmt: skip
                 self._known = self._chunks_of(item.target)
                 self._there[item.ref] = item.target
@@ -398,8 +412,7 @@ class RemoteTier(RemoteResume):
                 self._pending.pop(item.ref, None)
                 self._latest_of.pop(item.ref, None)
                 self.drained += 1
-                if report is not None and report.transfer is not None:
-                    self.sent_bytes += report.transfer.wire_bytes
+                self.sent_bytes += sent or 0
                 remove = item.ref in self._remove_after
                 self._remove_after.discard(item.ref)
             if remove:
@@ -408,11 +421,11 @@ class RemoteTier(RemoteResume):
         if not todo:  # a gate or best may have moved alone
             pointed = self._pointer_targets()
             if pointed != self._pushed:
-                self.local.drain_to(self.remote, None, latest=self.latest, pointers=self.pointers)
+                self._ops.drain(None, latest=self.latest, pointers=self.pointers)
                 self._pushed = pointed
         if todo and self.policy is not None:
             try:
-                removed = self.remote.forget(self.policy).removed
+                removed = self._ops.forget(self.policy)
                 for ref in removed:  # no longer there: the next scan finds it passed over
                     self._there.pop(ref, None)
             except CASError as e:  # a GC holds the remote's maintenance lock: next time

@@ -1,0 +1,171 @@
+"""The remote tier's drain worker: the drain's requests are made by a process of their own, so
+the training process's interpreter lock stays with the loop (``cas.training.drain_worker``).
+Against a real SeaweedFS: the worker makes every request, is started again after it is killed,
+and exits with the training process."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cas
+from cas.training.drain_worker import ENV_MODE, InProcessRemote, WorkerRemote
+from cas.training.manager import CheckpointManager
+from tests.helpers import assert_bit_exact
+
+
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(4096, generator=torch.Generator().manual_seed(step))}
+
+
+@pytest.fixture
+def requests_here(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The S3 operations this process makes, in order."""
+    from botocore.client import BaseClient
+
+    made: list[str] = []
+    original = BaseClient._make_api_call
+
+    def counted(self: Any, operation: str, params: Any) -> Any:
+        made.append(operation)
+        return original(self, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", counted)
+    yield made
+
+
+def _worker(mgr: CheckpointManager) -> WorkerRemote:
+    assert mgr.tier is not None
+    ops = mgr.tier._ops
+    assert isinstance(ops, WorkerRemote)
+    return ops
+
+
+def test_the_drain_makes_its_requests_in_a_worker_process(
+    s3_url: str, tmp_path: Path, requests_here: list[str]
+) -> None:
+    local = cas.open(tmp_path / "local")
+    with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, _weights(step)).result()
+        assert mgr.tier is not None and mgr.tier.wait(60).saves == 0
+        worker = _worker(mgr)._process
+        assert worker is not None and worker.pid != os.getpid()
+    assert requests_here == []  # not one request from the training process
+    remote = cas.open(s3_url)
+    assert remote.resolve("runs/r1/latest") == local.resolve("runs/r1/latest")
+    assert_bit_exact(remote.load("runs/r1/latest")["state"], _weights(3))
+    assert worker.poll() is not None  # closing the manager ended it
+
+
+def test_with_cas_drain_thread_the_training_process_makes_the_requests(
+    s3_url: str, tmp_path: Path, requests_here: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_MODE, "thread")
+    local = cas.open(tmp_path / "local")
+    with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
+        assert mgr.tier is not None and isinstance(mgr.tier._ops, InProcessRemote)
+        mgr.save(1, _weights(1)).result()
+        assert mgr.tier.wait(60).saves == 0
+    assert "PutObject" in requests_here
+    assert cas.open(s3_url).resolve("runs/r1/latest") == local.resolve("runs/r1/latest")
+
+
+def test_an_unknown_cas_drain_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_MODE, "fork")
+    with pytest.raises(ValueError, match="CAS_DRAIN must be 'process' or 'thread', got 'fork'"):
+        CheckpointManager(
+            cas.open(tmp_path / "local"), run="r1", signals=False, remote=str(tmp_path / "r")
+        )
+
+
+def test_stores_a_worker_cannot_reopen_drain_in_a_thread(tmp_path: Path) -> None:
+    local = cas.open(tmp_path / "local")
+    remote = cas.open(tmp_path / "remote")
+    with CheckpointManager(local, run="r1", signals=False, remote=remote) as mgr:
+        assert mgr.tier is not None and isinstance(mgr.tier._ops, InProcessRemote)
+    skewed = cas.open(tmp_path / "local", clock=lambda: time.time() + 3600)
+    with CheckpointManager(skewed, run="r1", signals=False, remote=str(tmp_path / "r")) as mgr:
+        assert mgr.tier is not None and isinstance(mgr.tier._ops, InProcessRemote)
+
+
+def test_a_killed_worker_is_started_again_and_the_drain_catches_up(
+    s3_url: str, tmp_path: Path
+) -> None:
+    local = cas.open(tmp_path / "local")
+    with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
+        assert mgr.tier is not None
+        mgr.tier.retry = 0.2
+        mgr.save(1, _weights(1)).result()
+        assert mgr.tier.wait(60).saves == 0
+        first = _worker(mgr)._process
+        assert first is not None
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        for step in range(2, 5):
+            mgr.save(step, _weights(step)).result()
+        deadline = time.monotonic() + 60
+        while mgr.tier.wait(5).saves and time.monotonic() < deadline:
+            pass  # the first cycle after the kill fails; a retry starts a new worker
+        assert mgr.tier.lag().saves == 0
+        second = _worker(mgr)._process
+        assert second is not None and second.pid != first.pid
+    remote = cas.open(s3_url)
+    for step in range(1, 5):
+        ref = f"runs/r1/phase1/ckpt_phase1_step{step:08d}"
+        assert remote.resolve(ref) == local.resolve(ref)
+    assert remote.resolve("runs/r1/latest") == local.resolve("runs/r1/latest")
+
+
+def _train_and_report_worker(local: str, remote: str, pid_file: str) -> None:
+    repo = cas.open(local)
+    mgr = CheckpointManager(repo, run="r1", signals=False, remote=remote)
+    for step in itertools.count(1):
+        mgr.save(step, _weights(step)).result()
+        assert mgr.tier is not None
+        mgr.tier.wait(60)
+        process = _worker(mgr)._process
+        if process is not None:
+            Path(pid_file).write_text(str(process.pid))
+        threading.Event().wait(0.05)
+
+
+def test_the_worker_exits_when_the_training_process_is_killed(s3_url: str, tmp_path: Path) -> None:
+    pid_file = tmp_path / "worker.pid"
+    run = multiprocessing.get_context("fork").Process(
+        target=_train_and_report_worker,
+        args=(str(tmp_path / "local"), s3_url, str(pid_file)),
+    )
+    run.start()
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pid_file.exists(), "the run drained nothing within a minute"
+    worker = int(pid_file.read_text())
+    os.kill(run.pid or 0, signal.SIGKILL)
+    run.join(10)
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the drain worker outlived its training process"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
