@@ -169,3 +169,46 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_worker_ignores_ctrl_c_and_sigterm_sent_to_the_whole_job(
+    s3_url: str, tmp_path: Path
+) -> None:
+    local = cas.open(tmp_path / "local")
+    with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
+        assert mgr.tier is not None
+        mgr.save(1, _weights(1)).result()
+        assert mgr.tier.wait(60).saves == 0
+        worker = _worker(mgr)._process
+        assert worker is not None
+        for sent in (signal.SIGINT, signal.SIGTERM):
+            os.kill(worker.pid, sent)
+        mgr.save(2, _weights(2)).result()
+        assert mgr.tier.wait(60).saves == 0
+        assert _worker(mgr)._process is worker and worker.poll() is None  # the same worker
+    assert cas.open(s3_url).resolve("runs/r1/latest") == local.resolve("runs/r1/latest")
+
+
+def test_a_process_forked_from_training_does_not_keep_the_worker_alive(
+    s3_url: str, tmp_path: Path
+) -> None:
+    """A data loader's forked workers inherit the pipe to the drain worker; they close it, so
+    the worker still ends when the training process closes its end."""
+    local = cas.open(tmp_path / "local")
+    mgr = CheckpointManager(local, run="r1", signals=False, remote=s3_url)
+    assert mgr.tier is not None
+    mgr.save(1, _weights(1)).result()
+    assert mgr.tier.wait(60).saves == 0
+    worker = _worker(mgr)._process
+    assert worker is not None
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    try:
+        began = time.monotonic()
+        mgr.close()
+        assert worker.poll() is not None
+        assert time.monotonic() - began < 10  # not the 30 s close waits before it kills
+        assert worker.returncode == 0  # it saw the pipe close and returned
+    finally:
+        child.kill()
+        child.join()

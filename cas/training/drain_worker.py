@@ -22,9 +22,11 @@ is started again at the next drain cycle and, the drain keeping no state of its 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -143,6 +145,17 @@ class WorkerRemote:
         self._send: Connection | None = None
         self._receive: Connection | None = None
         self._lock = threading.Lock()
+        _WORKERS.add(self)
+
+    def _forked(self) -> None:
+        """In a child forked from the training process (a data loader's worker): close the
+        pipe's ends there, so the worker still sees its training process end; the child's
+        copy of this object no longer reaches a worker."""
+        for conn in (self._send, self._receive):
+            if conn is not None:
+                conn.close()
+        self._process = self._send = self._receive = None
+        self._lock = threading.Lock()
 
     def _start(self) -> None:
         requests_r, requests_w = os.pipe()
@@ -246,6 +259,18 @@ def _rebuilt(kind: str, message: str) -> CASError:
     return BackendError(f"{kind}: {message}")
 
 
+_WORKERS: weakref.WeakSet[WorkerRemote] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for worker in list(_WORKERS):
+        worker._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
 # -- the worker ----------------------------------------------------------------------------------
 
 
@@ -297,6 +322,10 @@ def _answer(local: Repository, remote: Repository, op: str, args: list[Any]) -> 
 
 
 def main(argv: list[str]) -> int:
+    # A Ctrl-C or a scheduler's SIGTERM reaches the whole job: the training process saves and
+    # closes the pipe, and the worker finishes what it was asked until then.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     requests = Connection(int(argv[0]), writable=False)
     replies = Connection(int(argv[1]), readable=False)
     serve(requests, replies)
