@@ -192,8 +192,9 @@ class RemoteTier(RemoteResume):
 
     @property
     def remote(self) -> Repository:
-        """The remote store, opened on first use (by the drain thread, so a remote that is down
-        when the run starts delays nothing but the drain)."""
+        """The remote store in this process, opened on first use: by a resume, or by the drain
+        thread when it makes the requests itself (the worker opens its own), so a remote that is
+        down when the run starts delays nothing but the drain."""
         with self._opening:
             if self._remote is None:
                 self._remote = open_remote(self._remote_url)
