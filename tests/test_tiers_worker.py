@@ -9,6 +9,7 @@ import itertools
 import multiprocessing
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,16 @@ def _worker(mgr: CheckpointManager) -> WorkerRemote:
     ops = mgr.tier._ops
     assert isinstance(ops, WorkerRemote)
     return ops
+
+
+def _first_drain(mgr: CheckpointManager) -> subprocess.Popen[bytes]:
+    """Save step 1, wait until it is on the remote: the worker that drained it."""
+    assert mgr.tier is not None
+    mgr.save(1, _weights(1)).result()
+    assert mgr.tier.wait(60).saves == 0
+    process = _worker(mgr)._process
+    assert process is not None
+    return process
 
 
 def test_the_drain_makes_its_requests_in_a_worker_process(
@@ -108,10 +119,7 @@ def test_a_killed_worker_is_started_again_and_the_drain_catches_up(
     with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
         assert mgr.tier is not None
         mgr.tier.retry = 0.2
-        mgr.save(1, _weights(1)).result()
-        assert mgr.tier.wait(60).saves == 0
-        first = _worker(mgr)._process
-        assert first is not None
+        first = _first_drain(mgr)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         for step in range(2, 5):
@@ -177,10 +185,7 @@ def test_the_worker_ignores_ctrl_c_and_sigterm_sent_to_the_whole_job(
     local = cas.open(tmp_path / "local")
     with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
         assert mgr.tier is not None
-        mgr.save(1, _weights(1)).result()
-        assert mgr.tier.wait(60).saves == 0
-        worker = _worker(mgr)._process
-        assert worker is not None
+        worker = _first_drain(mgr)
         for sent in (signal.SIGINT, signal.SIGTERM):
             os.kill(worker.pid, sent)
         mgr.save(2, _weights(2)).result()
@@ -196,11 +201,7 @@ def test_a_process_forked_from_training_does_not_keep_the_worker_alive(
     the worker still ends when the training process closes its end."""
     local = cas.open(tmp_path / "local")
     mgr = CheckpointManager(local, run="r1", signals=False, remote=s3_url)
-    assert mgr.tier is not None
-    mgr.save(1, _weights(1)).result()
-    assert mgr.tier.wait(60).saves == 0
-    worker = _worker(mgr)._process
-    assert worker is not None
+    worker = _first_drain(mgr)
     child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
     child.start()
     try:
