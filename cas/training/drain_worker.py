@@ -26,8 +26,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
-from collections.abc import Collection, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ import msgpack
 from cas import errors
 from cas.digest import Digest
 from cas.errors import BackendError, CASError
+from cas.repo.keys import ENCRYPTION_SECTION
 from cas.repo.repository import Repository
 from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import PendingCheckpoint
@@ -78,9 +80,9 @@ class RemoteOperations(Protocol):
 class InProcessRemote:
     """The remote's calls made in the caller's thread, on ``local`` and ``remote()``."""
 
-    def __init__(self, local: Repository, remote: Any) -> None:
+    def __init__(self, local: Repository, remote: Callable[[], Repository]) -> None:
         self.local = local
-        self._remote = remote  # a callable: the remote store is opened on first use
+        self._remote = remote  # the remote store is opened on first use
 
     def pending(
         self, selector: str, absent: Mapping[str, Digest], present: MutableMapping[str, Digest]
@@ -114,10 +116,6 @@ def worker_eligible(local: Repository, remote: Any) -> bool:
     """Whether a worker process can do ``local``'s drain to ``remote``: both stores reopen from
     their URLs alone (a remote URL, a plain local directory), and the store's clock is the
     system's. Else, or with ``CAS_DRAIN=thread``, the drain runs in a thread."""
-    import time
-
-    from cas.repo.keys import ENCRYPTION_SECTION
-
     mode = os.environ.get(ENV_MODE, "process").strip().lower()
     if mode not in ("process", "thread"):
         raise ValueError(f"{ENV_MODE} must be 'process' or 'thread', got {mode!r}")
