@@ -38,9 +38,11 @@ from cas import errors
 from cas.digest import Digest
 from cas.errors import BackendError, CASError
 from cas.repo.keys import ENCRYPTION_SECTION
+from cas.repo.opening import open as open_store
 from cas.repo.repository import Repository
 from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import PendingCheckpoint
+from cas.training.priority import lower_thread_priority
 
 __all__ = ["COMMAND", "InProcessRemote", "RemoteOperations", "WorkerRemote", "worker_eligible"]
 
@@ -275,9 +277,6 @@ if hasattr(os, "register_at_fork"):
 def serve(requests: Connection, replies: Connection) -> None:
     """Answer requests until the pipe closes: ``open`` first, then ``pending``, ``drain``,
     ``forget``; a failure is sent back as ``("error", class name, message)``."""
-    from cas.repo.opening import open as open_store
-    from cas.training.priority import lower_thread_priority
-
     local: Repository | None = None
     remote: Repository | None = None
     while True:
@@ -303,19 +302,20 @@ def serve(requests: Connection, replies: Connection) -> None:
 
 
 def _answer(local: Repository, remote: Repository, op: str, args: list[Any]) -> Any:
+    """A request answered by the calls the drain thread makes when it has no worker."""
+    here = InProcessRemote(local, lambda: remote)
     if op == "pending":
         selector, absent, present = args
-        found = local.pending_on(remote, selector, absent, present)
+        found = here.pending(selector, absent, present)
         return [(p.ref, p.target, p.changed_at) for p in found], present
     if op == "drain":
         ref, latest, pointers, hold_back, jobs, known = args
-        report = local.drain_to(
-            remote, ref, latest=latest, pointers=pointers, hold_back=hold_back, jobs=jobs,
+        return here.drain(
+            ref, latest=latest, pointers=pointers, hold_back=hold_back, jobs=jobs,
             known=None if known is None else frozenset(known),
         )  # fmt: skip
-        return report.transfer.wire_bytes if report.transfer is not None else 0
     if op == "forget":
-        return list(remote.forget(RetentionPolicy.from_dict(args[0])).removed)
+        return here.forget(RetentionPolicy.from_dict(args[0]))
     raise ValueError(f"unknown request {op!r}")
 
 
