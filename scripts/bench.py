@@ -22,7 +22,6 @@ import importlib.util
 import json
 import os
 import queue
-import shutil
 import statistics
 import sys
 import tempfile
@@ -78,6 +77,27 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def set_aside(path: Path) -> None:
+    """Take ``path`` (a file or a tree) out of a writer's way without deleting it: each file is
+    emptied (its blocks freed) and the whole moved into ``discarded/`` beside the section's other
+    scratch, all removed with the section's directory.
+
+    Deleting would be the benchmark's cost landing on the next writer. On an ext4 without a
+    journal (this project's VM), a file created within a minute of deletions in its block group
+    gets an inode only after the kernel has skipped each recently deleted one
+    (``recently_deleted`` in ``find_inode_bit``), under the group's lock. A writer of many files
+    (cas, the ``parallel`` and ``direct chunks`` floors) paid for the files of the round before,
+    and under ``perf`` that scan took 45-50% of a 1 GiB save's CPU right after its store was
+    removed; a writer of one file hardly paid at all."""
+    if not path.exists():
+        return
+    for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        os.truncate(file, 0)
+    bin_ = path.parent / "discarded"
+    bin_.mkdir(exist_ok=True)
+    path.rename(bin_ / f"{path.name}-{time.monotonic_ns()}")
 
 
 def touch(loaded: dict[str, Any]) -> None:
@@ -151,7 +171,7 @@ def ceiling_writers(
     transparent huge pages, each fsynced, then the directory: cas's own shape and memory, with
     no hashing, header, temp file or link (huge pages send the disk fewer, larger requests, and
     on this project's VM beat ``direct``). Each leaves nothing
-    behind for the next to flush; the removal is not timed (``timed`` runs ``clear`` first).
+    behind for the next to flush; its files are set aside untimed (``clear``, ``set_aside``).
     The fastest of these, or any save that beats them, is the floor a save's time is read
     against: the bytes have to reach the disk.
     """
@@ -167,7 +187,7 @@ def ceiling_writers(
     place = work / "ceiling"
 
     def clear() -> None:
-        shutil.rmtree(place, ignore_errors=True)
+        set_aside(place)
         place.mkdir()
 
     def one_file() -> None:
@@ -260,7 +280,7 @@ def resave_floor(
     place = work / "resave-floor"
 
     def clear() -> None:
-        shutil.rmtree(place, ignore_errors=True)
+        set_aside(place)
         place.mkdir()
 
     def resave() -> None:
@@ -316,13 +336,7 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
     }
 
     def reset(path: Path) -> Callable[[], None]:
-        def clear() -> None:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-
-        return clear
+        return lambda: set_aside(path)
 
     pt = work / "state.pt"
 
@@ -361,10 +375,6 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
         repo.save(state, "bench/base")
         repo.close()
 
-    def dcp_resave() -> None:
-        reset(dcp_dir)()
-        dcp_save(changed)
-
     target = {k: torch.empty_like(v) for k, v in state.items()}
     cas_target = {k: torch.empty_like(v) for k, v in state.items()}  # in place, as DCP loads
 
@@ -388,7 +398,7 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
         save_rounds,
         warmup=True,
     )
-    shutil.rmtree(work / "ceiling", ignore_errors=True)
+    set_aside(work / "ceiling")
     results["save_runs"] = save_runs(save_rounds, list(ceiling))
     results["ceiling_s"] = {name.split(":", 1)[1]: saves[name] for name in ceiling}
     floor_resave, floor_clear = resave_floor(work, state, changed)
@@ -397,13 +407,13 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
             "floor": (floor_resave, floor_clear),
             "torch.save": (lambda: torch_save(changed), None),
             "safetensors": (lambda: st_save(changed), None),
-            "dcp": (dcp_resave, None),
+            "dcp": (lambda: dcp_save(changed), reset(dcp_dir)),
             "cas": (cas_resave, cas_store_with_state),
         },
         repeat,
         warmup=True,
     )
-    shutil.rmtree(work / "resave-floor", ignore_errors=True)
+    set_aside(work / "resave-floor")
     results["resave_floor_s"] = resaves["floor"]
     torch_save()  # the file cas put ingests, as a cron job would
     put_dir = work / "put-store"
