@@ -28,6 +28,7 @@ from cas.blobstore.direct import AlignedBuffers, DirectIOUnsupported, wants_dire
 from cas.blobstore.tempfiles import WriterTemps, remove_dead
 from cas.digest import digest_of
 from cas.errors import BackendError, CASError, NotFound, PreconditionFailed
+from cas.threads import LentPool
 
 TMP_DIR = "tmp"
 """Temporary files live here, never under a final name: each writing handle's in its own locked
@@ -464,10 +465,11 @@ def _fsync_dirs(dirs: list[Path], failed: list[Path]) -> None:
     if len(dirs) <= 2:
         errors = [one(directory) for directory in dirs]
     else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(min(SYNC_THREADS, len(dirs))) as pool:
+        pool = LentPool(SYNC_THREADS, "cas-sync")  # the last commit's threads (cas.threads)
+        try:
             errors = list(pool.map(one, dirs))
+        finally:
+            pool.shutdown()
     failed.extend(d for d, e in zip(dirs, errors, strict=True) if e is not None)
     first = next((e for e in errors if e is not None), None)
     if first is not None:

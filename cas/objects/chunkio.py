@@ -6,7 +6,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ from cas.objects import readahead
 from cas.objects.chunking import Cut
 from cas.objects.private import private_view
 from cas.objects.store import ObjectStore, PutResult, chunk_key
+from cas.threads import LentPool
 
 T = TypeVar("T")
 
@@ -75,15 +76,15 @@ class ChunkIO:
         """Verified reads running at once: writes wait on fsync and want every worker, while a
         read from a local disk is CPU work (copy, hash, decode) that more threads than cores only
         slow down."""
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: LentPool | None = None
         self._pool_lock = threading.Lock()
 
     @property
-    def pool(self) -> ThreadPoolExecutor:
-        """The lazily created pool."""
+    def pool(self) -> LentPool:
+        """The pool, lent when first asked for (threads a closed handle gave back, or new)."""
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="cas-chunk")
+                self._pool = LentPool(self.workers, "cas-chunk")
             return self._pool
 
     def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
@@ -280,7 +281,7 @@ class ChunkIO:
             yield sized(*pending.popleft())
 
     def close(self) -> None:
-        """Stop the pool."""
+        """Wait for the pool's tasks, then give its threads back (``cas.threads``)."""
         with self._pool_lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
