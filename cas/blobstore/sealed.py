@@ -5,6 +5,13 @@ under a payload key, with a fresh random 96-bit nonce per write and the blob's (
 associated data, so a ciphertext moved to another name fails its tag. A sealed blob is
 ``MAGIC | version | nonce | ciphertext+tag``.
 
+Version 2 is a chunk sealed before its name is known (``put_if_absent_named``): a save writes a
+new chunk while its hash is computed, as a plain store's does (``cas.objects.overlap``), so the
+name cannot be in the associated data, which is ``NAMED_AAD`` instead. Such a blob moved under
+another object's name still decrypts there, and then fails the digest check every read of an
+object makes (invariant 2): the name is bound by the content instead of the tag. A version-2
+blob anywhere but under an object's name (a ref, a lease) is refused.
+
 Object names hide their content: ``chunks/<d[:2]>/<d>`` (``d`` the blake3 of the plaintext) is
 stored as ``chunks/<n[:2]>/<n>`` where ``n`` is ``d`` encrypted with AES-256 under a name key, a
 keyed pseudorandom permutation. Equal plaintext still gets one name, so dedup holds within the
@@ -26,7 +33,7 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +60,9 @@ from cas.errors import FormatError, IntegrityError
 
 MAGIC = b"CASs"
 SEAL_VERSION = 1
+NAMED_VERSION = 2
+NAMED_AAD = b"cas 2026-11-28 object sealed before its name"
+"""Associated data of a version-2 blob (see the module's docstring)."""
 NONCE_SIZE = 12
 TAG_SIZE = 16
 HEADER_SIZE = len(MAGIC) + 1 + NONCE_SIZE
@@ -187,8 +197,11 @@ class SealedBlobStore(BlobStoreWrapper):
     def _clear(key: str) -> bool:
         return key in CLEAR_KEYS or key.startswith(CLEAR_PREFIXES)
 
-    def seal(self, key: str, data: Payload, into: memoryview | None = None) -> list[BytesLike]:
-        """The sealed form of ``data`` stored under ``key``, as parts a store writes in turn.
+    def seal(
+        self, key: str | None, data: Payload, into: memoryview | None = None
+    ) -> list[BytesLike]:
+        """The sealed form of ``data`` stored under ``key``, as parts a store writes in turn;
+        ``key`` None seals an object whose name is not known yet (version 2, ``NAMED_AAD``).
 
         The parts of a payload (a chunk's header and its bytes) are encrypted one after the
         other into one buffer, ``into`` (at least ``OVERHEAD`` bytes more than ``data``) or a new
@@ -196,14 +209,15 @@ class SealedBlobStore(BlobStoreWrapper):
         lets a direct write (``cas.blobstore.direct``) send the sealed blob from where it lies.
         """
         parts = parts_of(data)
-        if self._clear(key):
+        if key is not None and self._clear(key):
             return list(parts)
         nonce = os.urandom(NONCE_SIZE)
         encryptor = Cipher(algorithms.AES(self._payload_key), modes.GCM(nonce)).encryptor()
-        encryptor.authenticate_additional_data(key.encode())
+        encryptor.authenticate_additional_data(NAMED_AAD if key is None else key.encode())
         size = sum(memoryview(p).nbytes for p in parts)
         view = into if into is not None else memoryview(bytearray(size + OVERHEAD))
-        view[:HEADER_SIZE] = MAGIC + bytes([SEAL_VERSION]) + nonce
+        version = NAMED_VERSION if key is None else SEAL_VERSION
+        view[:HEADER_SIZE] = MAGIC + bytes([version]) + nonce
         at = HEADER_SIZE
         for part in parts:
             plain = memoryview(part).cast("B")
@@ -231,20 +245,24 @@ class SealedBlobStore(BlobStoreWrapper):
         """The plaintext of a sealed blob; IntegrityError when it is not one or was altered."""
         if self._clear(key):
             return bytes(blob)
-        nonce = self._nonce(key, blob, len(blob))
+        nonce, associated = self._header(key, blob, len(blob))
         try:
-            return self._aead.decrypt(nonce, memoryview(blob)[HEADER_SIZE:], key.encode())
+            return self._aead.decrypt(nonce, memoryview(blob)[HEADER_SIZE:], associated)
         except InvalidTag as e:
             raise self._altered(key) from e
 
-    def _nonce(self, key: str, head: bytes | memoryview, size: int) -> bytes:
-        """The nonce in ``head``, the start of a sealed blob of ``size`` bytes, once its magic
-        and version are checked."""
+    def _header(self, key: str, head: bytes | memoryview, size: int) -> tuple[bytes, bytes]:
+        """The nonce in ``head``, the start of a sealed blob of ``size`` bytes, and the
+        associated data its version says, once its magic and version are checked."""
         if size < OVERHEAD or bytes(head[: len(MAGIC)]) != MAGIC:
             raise IntegrityError(f"{key} in {self.url} is not sealed with this store's key")
-        if head[len(MAGIC)] != SEAL_VERSION:
-            raise FormatError(f"{key} in {self.url}: unknown seal version {head[len(MAGIC)]}")
-        return bytes(head[len(MAGIC) + 1 : HEADER_SIZE])
+        version = head[len(MAGIC)]
+        if version == NAMED_VERSION and _OBJECT_KEY.fullmatch(key) is None:
+            raise IntegrityError(f"{key} in {self.url} holds a sealed object, not its own blob")
+        if version not in (SEAL_VERSION, NAMED_VERSION):
+            raise FormatError(f"{key} in {self.url}: unknown seal version {version}")
+        associated = NAMED_AAD if version == NAMED_VERSION else key.encode()
+        return bytes(head[len(MAGIC) + 1 : HEADER_SIZE]), associated
 
     def _altered(self, key: str) -> IntegrityError:
         return IntegrityError(
@@ -318,10 +336,10 @@ class SealedBlobStore(BlobStoreWrapper):
         """Decrypt a blob of ``got`` sealed bytes into ``outs``, from ``source`` or (None) in
         place, from the ciphertext ``outs`` already hold; the plaintext size once the tag is
         checked."""
-        nonce = self._nonce(key, head, got)
+        nonce, associated = self._header(key, head, got)
         size = got - OVERHEAD
         decryptor = Cipher(algorithms.AES(self._payload_key), modes.GCM(nonce, tag)).decryptor()
-        decryptor.authenticate_additional_data(key.encode())
+        decryptor.authenticate_additional_data(associated)
         at, left = 0, size
         for out in outs:
             n = min(len(out), left)
@@ -384,6 +402,25 @@ class SealedBlobStore(BlobStoreWrapper):
         with self._sealing(key, data) as sealed:
             self.inner.put(self.stored_key(key), sealed)
 
+    def put_if_absent_named(self, key_of: Callable[[], str], data: Payload) -> bool:
+        """``put_if_absent`` under ``key_of()``. An object is sealed before its name is asked
+        for (version 2), so a local store below writes its temp file while the caller's hash
+        runs, as a plain store's save does; any other blob is sealed again under its name once
+        that is known (a temp file written for nothing: no caller of this store does so)."""
+
+        def stored() -> str:
+            key = key_of()
+            if _OBJECT_KEY.fullmatch(key) is None:
+                raise _NotAnObject(key)
+            return self.stored_key(key)
+
+        size = sum(memoryview(p).nbytes for p in parts_of(data)) + OVERHEAD
+        try:
+            with BUFFERS.lease(size) as buffer:
+                return self.inner.put_if_absent_named(stored, self.seal(None, data, buffer))
+        except _NotAnObject as e:
+            return self.put_if_absent(e.key, data)
+
     def put_if_absent(self, key: str, data: Payload) -> bool:
         with self._sealing(key, data) as sealed:
             return self.inner.put_if_absent(self.stored_key(key), sealed)
@@ -420,6 +457,15 @@ class SealedBlobStore(BlobStoreWrapper):
     @property
     def supports_rename(self) -> bool:
         return False
+
+
+class _NotAnObject(Exception):
+    """A blob written through ``put_if_absent_named`` turned out to be no object: it is sealed
+    again under its name."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
 
 
 def _file_size(path: Path) -> int | None:

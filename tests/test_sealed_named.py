@@ -1,0 +1,117 @@
+"""An encrypted store writes a new chunk while its name is hashed, as a plain one does: the chunk
+is sealed before its name is known (seal version 2), and its name is then bound by the digest
+check every read makes rather than by the tag."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cas
+import cas.objects.overlap as overlap
+from cas.blobstore.local import LocalBlobStore
+from cas.blobstore.sealed import MAGIC, NAMED_VERSION, SEAL_VERSION, SealedBlobStore, StoreKey
+from cas.errors import IntegrityError
+
+MiB = 1 << 20
+SLOW_HASH = 0.25
+"""As in tests/test_overlap.py: a 2 MiB write and fsync that does not wait for it ends sooner."""
+PASSPHRASE = "correct horse battery staple"
+
+
+def version_of(path: Path) -> int:
+    head = path.read_bytes()[: len(MAGIC) + 1]
+    assert head[: len(MAGIC)] == MAGIC
+    return head[len(MAGIC)]
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
+
+
+def test_an_encrypted_save_writes_each_new_chunk_while_its_name_is_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[tuple[str, float]] = []
+    lock = threading.Lock()
+    real_hash, real_write = overlap._hash, LocalBlobStore._write_temp
+
+    def hash_(view: memoryview) -> Any:
+        with lock:
+            events.append(("hash started", time.monotonic()))
+        time.sleep(SLOW_HASH)
+        return real_hash(view)
+
+    def write(self: LocalBlobStore, *parts: Any, fsync: bool = True) -> Path:
+        path = real_write(self, *parts, fsync=fsync)
+        if sum(memoryview(p).nbytes for p in parts) > MiB:
+            with lock:
+                events.append(("written", time.monotonic()))
+        return path
+
+    monkeypatch.setattr(overlap, "_hash", hash_)
+    monkeypatch.setattr(LocalBlobStore, "_write_temp", write)
+    opened = cas.open(tmp_path / "store", key=PASSPHRASE)
+    repo = cas.Repository(opened.blobs, opened.config, workers=1)  # one chunk at a time
+    gen = np.random.default_rng(1)
+    state = {f"w{i}": gen.standard_normal(MiB // 2, dtype=np.float32) for i in range(8)}
+    repo.save(state, "runs/a")
+
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("hash started") >= 6
+    for index in range(len(kinds) - 1):
+        if kinds[index] == "hash started":  # the sealed chunk's file was written meanwhile
+            assert kinds[index + 1] == "written"
+            assert events[index + 1][1] - events[index][1] < SLOW_HASH
+    back = cas.open(tmp_path / "store", key=PASSPHRASE).load("runs/a")
+    assert all(np.array_equal(back[k], v) for k, v in state.items())
+    versions = [version_of(p) for p in chunk_files(tmp_path / "store")]
+    assert versions.count(NAMED_VERSION) >= 6  # the small ones are sealed under their names
+    assert set(versions) <= {SEAL_VERSION, NAMED_VERSION}
+
+
+def test_a_chunk_moved_under_another_chunks_name_fails_the_digest_check(tmp_path: Path) -> None:
+    repo = cas.open(tmp_path / "s", key=PASSPHRASE)
+    gen = np.random.default_rng(2)
+    repo.save({"w": gen.standard_normal(MiB, dtype=np.float32)}, "runs/a")
+    first = set(chunk_files(tmp_path / "s"))
+    repo.save({"w": gen.standard_normal(MiB, dtype=np.float32)}, "runs/b")
+    moved = [p for p in chunk_files(tmp_path / "s") if p not in first and p.stat().st_size > MiB]
+    source = next(p for p in first if p.stat().st_size > MiB)
+    assert moved and version_of(source) == NAMED_VERSION
+    for target in moved:  # the tag still verifies there: only the content says it is wrong
+        shutil.copyfile(source, target)
+    with pytest.raises(IntegrityError):
+        cas.open(tmp_path / "s", key=PASSPHRASE).load("runs/b")
+
+
+def test_a_blob_sealed_before_its_name_is_refused_under_a_ref_name(tmp_path: Path) -> None:
+    store = SealedBlobStore(LocalBlobStore(tmp_path / "s"), StoreKey.generate())
+    chunk = "chunks/ab/ab" + "0" * 62
+    assert store.put_if_absent_named(lambda: chunk, b"object bytes") is True
+    assert store.get(chunk) == b"object bytes"
+    store.put("refs/a", b"record")
+    shutil.copyfile(tmp_path / "s" / store.stored_key(chunk), tmp_path / "s" / "refs" / "a")
+    with pytest.raises(IntegrityError, match="not its own blob"):
+        store.get("refs/a")
+
+
+def test_a_blob_named_late_that_is_no_object_is_sealed_under_its_name(tmp_path: Path) -> None:
+    store = SealedBlobStore(LocalBlobStore(tmp_path / "s"), StoreKey.generate())
+    asked: list[str] = []
+
+    def name() -> str:
+        asked.append("refs/late")
+        return "refs/late"
+
+    assert store.put_if_absent_named(name, b"late record") is True
+    assert asked == ["refs/late"]  # the name is still asked for once
+    assert version_of(tmp_path / "s" / "refs" / "late") == SEAL_VERSION
+    assert store.get("refs/late") == b"late record"
+    assert store.put_if_absent_named(name, b"again") is False
