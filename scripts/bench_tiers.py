@@ -12,7 +12,10 @@ small GPT-shaped model (token embedding, pre-norm transformer blocks, LM head) t
    remote tier stalls no more than DCP. Beside them, the remote tier with its drain in a thread
    of the training process (``CAS_DRAIN=thread``) rather than its worker process; and all of
    it again on a loop of one intra-op thread (``stall_loop_one_thread``), which leaves a core
-   free as a loop waiting on a GPU does.
+   free as a loop waiting on a GPU does; and on that loop with its thread kept on one CPU and
+   the drain (``CAS_DRAIN_CPUS``) and the S3 server on the other
+   (``stall_loop_one_thread_spare_core``): a job that gives its I/O helpers cores of their own,
+   and an S3 that is not on the training machine.
 2. ``bytes``: a fine-tune with a frozen backbone (a classifier trained on the frozen model's
    features: only it and its optimizer state change): bytes the drain sends per checkpoint
    against the full checkpoint size (what copying every checkpoint sends). Target: <= 0.15.
@@ -28,6 +31,7 @@ small GPT-shaped model (token embedding, pre-norm transformer blocks, LM head) t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -126,9 +130,12 @@ def stall(
     rounds: int,
     saves: int = 3,
     threads: int | None = None,
+    spare_cores: bool = False,
 ) -> dict[str, Any]:
     """The loop's time lost per save, each saver's whole cost charged to it; the loop on
-    ``threads`` intra-op threads (default: torch's, every core).
+    ``threads`` intra-op threads (default: torch's, every core). With ``spare_cores`` the loop's
+    steps run on the first CPU only and cas's drains on the others (``CAS_DRAIN_CPUS``), as a
+    job that leaves its I/O helpers cores of their own; every other thread runs anywhere.
 
     Beside the remote tier as shipped (its requests made by a worker process) runs the same
     tier with its drain in a thread of the training process (``CAS_DRAIN=thread``).
@@ -145,7 +152,20 @@ def stall(
     if threads is not None:
         torch.set_num_threads(threads)
     loop = Loop(size)
-    tag = f"t{threads or threads_before}"
+    tag = f"t{threads or threads_before}{'-spare' if spare_cores else ''}"
+    everywhere = os.sched_getaffinity(0) if spare_cores else set()
+    train = loop.step
+    if spare_cores:
+        loop_cpu, *spare = sorted(everywhere)
+        os.environ["CAS_DRAIN_CPUS"] = ",".join(map(str, spare))  # read as each tier starts
+
+        def train() -> None:  # the loop's thread on its CPU; what it starts elsewhere runs free
+            os.sched_setaffinity(0, {loop_cpu})
+            try:
+                loop.step()
+            finally:
+                os.sched_setaffinity(0, everywhere)
+
     savers: dict[str, Any] = {
         "cas_local_only": ManagerSaver(root / f"stall-local-{tag}", None),
         "cas_remote_tier": ManagerSaver(root / f"stall-tiered-{tag}", s3_url("stall")),
@@ -154,6 +174,7 @@ def stall(
         ),
         "dcp_async_save_s3": DCPS3Saver(s3_url("dcp")),
     }
+    os.environ.pop("CAS_DRAIN_CPUS", None)
     counter = [0]
 
     def block(saver: Any) -> tuple[float, int]:
@@ -164,13 +185,13 @@ def stall(
                 counter[0] += 1
                 saver.start(counter[0], loop.state)
             for _ in range(every):
-                loop.step()
+                train()
                 steps += 1
             if saver is not None:
                 saver.wait()
         tier = getattr(getattr(saver, "mgr", None), "tier", None)
         while tier is not None and not tier.idle:  # the drain's cost is this block's
-            loop.step()
+            train()
             steps += 1
         return time.perf_counter() - start, steps
 
@@ -198,6 +219,7 @@ def stall(
     torch.set_num_threads(threads_before)
     rows: dict[str, Any] = {
         "threads": threads or threads_before,
+        "spare_cores": spare_cores,
         "rounds": rounds, "every": every, "saves_per_block": saves,
         "step_ms": 1000 * statistics.median(step_s),
         "drain_steps_after_block_median": statistics.median(extra_steps),
@@ -223,6 +245,32 @@ def stall(
         savers["cas_remote_tier"].repo.manifest("runs/bench/latest").logical_bytes()
     )
     return rows
+
+
+def spare_core_stall(
+    size: dict[str, int], root: Path, server: SeaweedServer, every: int, rounds: int
+) -> dict[str, Any] | None:
+    """``stall`` on one intra-op thread with ``spare_cores``, the S3 server's threads kept off
+    the loop's CPU too; None on a machine with one CPU."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return None
+    everywhere = os.sched_getaffinity(0)
+    spare = set(sorted(everywhere)[1:])
+    _pin_process(server.pid, spare)
+    try:
+        return stall(size, root, every=every, rounds=rounds, threads=1, spare_cores=True)
+    finally:
+        _pin_process(server.pid, everywhere)
+
+
+def _pin_process(pid: int | None, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later take their
+    parent's)."""
+    if pid is None:
+        return
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 # -- 2. bytes per checkpoint of a frozen-backbone fine-tune, and 4. resume -------------------------
@@ -516,6 +564,11 @@ def run(quick: bool, root: Path) -> dict[str, Any]:
             "stall_loop_one_thread": stall(
                 size, root, every=5 if quick else 10, rounds=2 if quick else 5, threads=1
             ),
+            # The same, the loop's thread on one CPU and the drain and the S3 server on the
+            # other: a job whose I/O helpers have cores of their own, and an S3 elsewhere.
+            "stall_loop_one_thread_spare_core": spare_core_stall(
+                size, root, server, every=5 if quick else 10, rounds=2 if quick else 5
+            ),
             "bytes": finetune(
                 size,
                 root,
@@ -537,6 +590,10 @@ def run(quick: bool, root: Path) -> dict[str, Any]:
         "stall_tiered_at_or_below_dcp": results["stall"]["tiered_at_or_below_dcp"],
         "one_thread_loop_stall_tiered_over_local_le_1_05": (
             results["stall_loop_one_thread"]["tiered_over_local"] <= 1.05
+        ),
+        "spare_core_loop_stall_tiered_over_local_le_1_05": (
+            results["stall_loop_one_thread_spare_core"] is not None
+            and results["stall_loop_one_thread_spare_core"]["tiered_over_local"] <= 1.05
         ),
         "bytes_sent_over_full_le_0_15": results["bytes"]["sent_over_full"] <= 0.15,
         "drain_over_boto3_ge_0_9": results["throughput"]["cas_over_boto3"] >= 0.9,

@@ -44,9 +44,9 @@ def temp_files(root: Path) -> list[Path]:
     return list((root / TMP_DIR).rglob("*.tmp"))
 
 
-def test_a_first_save_hashes_each_new_chunk_while_its_file_is_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def slow_hash_and_recorded_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
+    """From now on each chunk hash takes ``SLOW_HASH`` longer, and the list returned receives,
+    in order, when each hash started and when each temp file of over 1 MiB was written."""
     events: list[tuple[str, float]] = []
     lock = threading.Lock()
     real_hash, real_write = overlap._hash, LocalBlobStore._write_temp
@@ -66,20 +66,31 @@ def test_a_first_save_hashes_each_new_chunk_while_its_file_is_written(
 
     monkeypatch.setattr(overlap, "_hash", hash_)
     monkeypatch.setattr(LocalBlobStore, "_write_temp", write)
-    opened = cas.open(tmp_path / "store")
-    repo = cas.Repository(opened.blobs, opened.config, workers=1)  # one chunk at a time
-    gen = np.random.default_rng(1)
-    state = {f"w{i}": gen.standard_normal(MiB // 2, dtype=np.float32) for i in range(8)}
-    repo.save(state, "runs/a")
+    return events
 
-    # After the first put (probed in place, as the odds start even), every chunk's write ended
-    # while the hash it raced was still running: the write did not wait for the name.
+
+def assert_writes_did_not_wait(events: list[tuple[str, float]]) -> None:
+    """Every chunk's write ended while the hash it raced was still running (after the first
+    put, probed in place, as the odds start even)."""
     kinds = [kind for kind, _ in events]
     assert kinds.count("hash started") >= 6
     for index in range(len(kinds) - 1):
         if kinds[index] == "hash started":
             assert kinds[index + 1] == "written"
             assert events[index + 1][1] - events[index][1] < SLOW_HASH
+
+
+def test_a_first_save_hashes_each_new_chunk_while_its_file_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = slow_hash_and_recorded_writes(monkeypatch)
+    opened = cas.open(tmp_path / "store")
+    repo = cas.Repository(opened.blobs, opened.config, workers=1)  # one chunk at a time
+    gen = np.random.default_rng(1)
+    state = {f"w{i}": gen.standard_normal(MiB // 2, dtype=np.float32) for i in range(8)}
+    repo.save(state, "runs/a")
+
+    assert_writes_did_not_wait(events)
     back = repo.load("runs/a")
     assert all(np.array_equal(back[k], v) for k, v in state.items())
     for path in ref_chunk_paths(repo, "runs/a"):  # each file is named by its bytes' hash

@@ -5,23 +5,18 @@ check every read makes rather than by the tag."""
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 import cas
-import cas.objects.overlap as overlap
 from cas.blobstore.local import LocalBlobStore
 from cas.blobstore.sealed import MAGIC, NAMED_VERSION, SEAL_VERSION, SealedBlobStore, StoreKey
 from cas.errors import IntegrityError
+from tests.test_overlap import assert_writes_did_not_wait, slow_hash_and_recorded_writes
 
 MiB = 1 << 20
-SLOW_HASH = 0.25
-"""As in tests/test_overlap.py: a 2 MiB write and fsync that does not wait for it ends sooner."""
 PASSPHRASE = "correct horse battery staple"
 
 
@@ -38,37 +33,14 @@ def chunk_files(root: Path) -> list[Path]:
 def test_an_encrypted_save_writes_each_new_chunk_while_its_name_is_hashed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    events: list[tuple[str, float]] = []
-    lock = threading.Lock()
-    real_hash, real_write = overlap._hash, LocalBlobStore._write_temp
-
-    def hash_(view: memoryview) -> Any:
-        with lock:
-            events.append(("hash started", time.monotonic()))
-        time.sleep(SLOW_HASH)
-        return real_hash(view)
-
-    def write(self: LocalBlobStore, *parts: Any, fsync: bool = True) -> Path:
-        path = real_write(self, *parts, fsync=fsync)
-        if sum(memoryview(p).nbytes for p in parts) > MiB:
-            with lock:
-                events.append(("written", time.monotonic()))
-        return path
-
-    monkeypatch.setattr(overlap, "_hash", hash_)
-    monkeypatch.setattr(LocalBlobStore, "_write_temp", write)
+    events = slow_hash_and_recorded_writes(monkeypatch)
     opened = cas.open(tmp_path / "store", key=PASSPHRASE)
     repo = cas.Repository(opened.blobs, opened.config, workers=1)  # one chunk at a time
     gen = np.random.default_rng(1)
     state = {f"w{i}": gen.standard_normal(MiB // 2, dtype=np.float32) for i in range(8)}
     repo.save(state, "runs/a")
 
-    kinds = [kind for kind, _ in events]
-    assert kinds.count("hash started") >= 6
-    for index in range(len(kinds) - 1):
-        if kinds[index] == "hash started":  # the sealed chunk's file was written meanwhile
-            assert kinds[index + 1] == "written"
-            assert events[index + 1][1] - events[index][1] < SLOW_HASH
+    assert_writes_did_not_wait(events)  # the sealed chunk was written while its hash ran
     back = cas.open(tmp_path / "store", key=PASSPHRASE).load("runs/a")
     assert all(np.array_equal(back[k], v) for k, v in state.items())
     versions = [version_of(p) for p in chunk_files(tmp_path / "store")]

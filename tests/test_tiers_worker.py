@@ -22,6 +22,7 @@ import torch
 import cas
 from cas.training.drain_worker import ENV_MODE, InProcessRemote, WorkerRemote
 from cas.training.manager import CheckpointManager
+from cas.training.priority import ENV_CPUS
 from tests.helpers import assert_bit_exact
 
 
@@ -97,6 +98,39 @@ def test_an_unknown_cas_drain_is_one_clear_error(
 ) -> None:
     monkeypatch.setenv(ENV_MODE, "fork")
     with pytest.raises(ValueError, match="CAS_DRAIN must be 'process' or 'thread', got 'fork'"):
+        CheckpointManager(
+            cas.open(tmp_path / "local"), run="r1", signals=False, remote=str(tmp_path / "r")
+        )
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_cas_drain_cpus_keeps_the_drain_and_its_worker_on_those_cpus(
+    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    everywhere = os.sched_getaffinity(0)
+    cpu = max(everywhere)
+    monkeypatch.setenv(ENV_CPUS, str(cpu))
+    local = cas.open(tmp_path / "local")
+    with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
+        worker = _first_drain(mgr)
+        assert os.sched_getaffinity(worker.pid) == {cpu}
+        assert mgr.tier is not None
+        drain_thread = mgr.tier._thread.native_id
+        assert drain_thread is not None and os.sched_getaffinity(drain_thread) == {cpu}
+        assert os.sched_getaffinity(0) == everywhere  # the loop's thread stays where it was
+    assert cas.open(s3_url).resolve("runs/r1/latest") == local.resolve("runs/r1/latest")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("two", "must list CPUs as in '3' or '2-5,7', got 'two'"), ("4096", "may not use")],
+)
+def test_a_bad_cas_drain_cpus_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, message: str
+) -> None:
+    monkeypatch.setenv(ENV_CPUS, value)
+    with pytest.raises(ValueError, match=message):
         CheckpointManager(
             cas.open(tmp_path / "local"), run="r1", signals=False, remote=str(tmp_path / "r")
         )

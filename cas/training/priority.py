@@ -1,4 +1,5 @@
-"""Background work at a low priority: the training loop keeps the cores it uses."""
+"""Background work at a low priority, or on CPUs of its own: the training loop keeps the cores
+it uses."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import contextlib
 import os
 import sys
 import threading
+from collections.abc import Mapping
 
-__all__ = ["lower_thread_priority"]
+__all__ = ["ENV_CPUS", "drain_cpus", "lower_thread_priority", "pin_thread"]
+
+ENV_CPUS = "CAS_DRAIN_CPUS"
+"""CPUs the remote tier's drain runs on (``3`` or ``2-5,7``): its thread, the threads it starts
+and its worker process. Unset, every CPU the training process may use."""
 
 
 def lower_thread_priority(increment: int) -> None:
@@ -25,3 +31,47 @@ def lower_thread_priority(increment: int) -> None:
     with contextlib.suppress(OSError):
         current = os.getpriority(os.PRIO_PROCESS, thread)
         os.setpriority(os.PRIO_PROCESS, thread, min(19, current + increment))
+
+
+def drain_cpus(environ: Mapping[str, str] = os.environ) -> frozenset[int] | None:
+    """The CPUs ``CAS_DRAIN_CPUS`` names, or None when it is unset or empty. ValueError, one
+    line, for a list that does not parse, names a CPU this process may not use, or asks for
+    pinning on a platform without it."""
+    text = environ.get(ENV_CPUS, "").strip()
+    if not text:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{ENV_CPUS} is set, but this platform cannot pin threads to CPUs")
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"{ENV_CPUS} must list CPUs as in '3' or '2-5,7', got {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(
+            f"{ENV_CPUS}={text!r} names CPUs this process may not use "
+            f"(it may use {_ranges(allowed)})"
+        )
+    return frozenset(cpus)
+
+
+def pin_thread(cpus: frozenset[int] | None) -> None:
+    """Keep the calling thread, and the threads and processes it starts from now on, on
+    ``cpus`` (Linux applies an affinity per thread, and a new thread or process takes its
+    parent thread's); None leaves it where it is."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+def _ranges(cpus: set[int]) -> str:
+    ordered = sorted(cpus)
+    runs: list[list[int]] = []
+    for cpu in ordered:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

@@ -38,7 +38,7 @@ from cas.training.drain_worker import (
     WorkerRemote,
     worker_eligible,
 )
-from cas.training.priority import lower_thread_priority
+from cas.training.priority import drain_cpus, lower_thread_priority, pin_thread
 from cas.training.run_names import Layout
 from cas.training.tier_resume import Newer, RemoteResume
 
@@ -174,6 +174,8 @@ class RemoteTier(RemoteResume):
         """Checkpoints this process pushed to the remote."""
         self.sent_bytes = 0
         """Stored bytes this process's drain wrote to the remote (chunks and manifests)."""
+        self._cpus = drain_cpus()
+        """Where the drain runs (``CAS_DRAIN_CPUS``); a bad value fails here, in one line."""
         self._ops: RemoteOperations = (
             WorkerRemote(local.url, remote)
             if isinstance(remote, str) and worker_eligible(local, remote)
@@ -342,6 +344,7 @@ class RemoteTier(RemoteResume):
 
     def _run(self) -> None:
         lower_thread_priority(self._nice)  # transfer's copy threads inherit it
+        pin_thread(self._cpus)  # and so do they this, and a worker process started from here
         delay = self.retry
         while True:
             with self._cond:
