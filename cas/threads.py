@@ -12,11 +12,12 @@ for every task it submitted, as ``ThreadPoolExecutor.shutdown(wait=True)`` did: 
 counts its own tasks and waits for the count to fall to zero. Only threads whose handle's work
 has all ended are kept, at most ``SPARE_POOLS`` sets per size and priority.
 
-Priority is part of a set's identity. Chunk workers run at the nice value of the thread that
-asked for the pool (a manager's background save asks from a thread it lowered, and its workers
-must not take the training loop's cores; a foreground save's workers must not crawl). Each
-worker sets its own nice as it starts; a set whose workers could not (lowering nice needs
-privileges) is not kept.
+Priority and CPUs are part of a set's identity. Chunk workers run at the nice value, and on the
+CPUs, of the thread that asked for the pool: a manager's background save asks from a thread it
+lowered, and a remote tier's drain from one kept on ``CAS_DRAIN_CPUS``, and their workers must
+not take the training loop's cores; a foreground save's workers must neither crawl nor be kept
+off them. Each worker takes its set's nice and CPUs as it starts; a set whose workers could not
+(lowering nice needs privileges) is not kept.
 """
 
 from __future__ import annotations
@@ -32,8 +33,16 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 SPARE_POOLS = 2
-"""Idle sets of threads a process keeps for its next handles, per size and priority: enough for
+"""Idle sets of threads a process keeps for its next handles, per size, priority and CPUs: enough for
 a handle open beside a short-lived one (a manager and a CLI call, a save and a push)."""
+
+
+def thread_cpus() -> frozenset[int]:
+    """The CPUs the calling thread may run on (Linux keeps a set per thread); empty where the
+    platform does not say."""
+    if not hasattr(os, "sched_getaffinity"):
+        return frozenset()
+    return frozenset(os.sched_getaffinity(0))
 
 
 def thread_priority() -> int:
@@ -46,28 +55,30 @@ def thread_priority() -> int:
 
 
 class _Threads:
-    """An executor of ``workers`` threads, each at nice ``nice``; ``unset`` lists those that
-    could not take it."""
+    """An executor of ``workers`` threads, each at nice ``nice`` on ``cpus``; ``unset`` lists
+    those that could not take them."""
 
-    def __init__(self, workers: int, name: str, nice: int) -> None:
+    def __init__(self, workers: int, name: str, nice: int, cpus: frozenset[int]) -> None:
         self.nice = nice
+        self.cpus = cpus
         self.unset: list[int] = []
         self.executor = ThreadPoolExecutor(
             workers, thread_name_prefix=name, initializer=self._start_worker
         )
 
     def _start_worker(self) -> None:
-        """Each worker's first act: take the set's priority (otherwise it inherits the nice of
-        whichever thread happened to start it)."""
-        if thread_priority() == self.nice or not sys.platform.startswith("linux"):
-            return
+        """Each worker's first act: take the set's priority and CPUs (otherwise it inherits
+        those of whichever thread happened to start it)."""
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            if self.cpus and thread_cpus() != self.cpus:
+                os.sched_setaffinity(0, self.cpus)
+            if sys.platform.startswith("linux") and thread_priority() != self.nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         except OSError:
             self.unset.append(threading.get_native_id())
 
 
-_spare: dict[tuple[int, int], list[_Threads]] = {}
+_spare: dict[tuple[int, int, frozenset[int]], list[_Threads]] = {}
 _spare_lock = threading.Lock()
 
 
@@ -76,11 +87,11 @@ class LentPool(Executor):
 
     def __init__(self, workers: int, name: str) -> None:
         self.workers = workers
-        self._key = (workers, thread_priority())
+        self._key = (workers, thread_priority(), thread_cpus())
         with _spare_lock:
             spares = _spare.get(self._key)
             threads = spares.pop() if spares else None
-        self._threads = threads or _Threads(workers, name, self._key[1])
+        self._threads = threads or _Threads(workers, name, *self._key[1:])
         self._running = 0
         self._settled = threading.Condition()
         self._closed = False

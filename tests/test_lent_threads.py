@@ -74,7 +74,9 @@ def test_threads_still_busy_are_not_given_back() -> None:
     done.start()
     time.sleep(0.2)
     assert done.is_alive()  # close waits for the task
-    assert pool._threads not in threads._spare.get((2, threads.thread_priority()), [])
+    assert pool._threads not in threads._spare.get(
+        (2, threads.thread_priority(), threads.thread_cpus()), []
+    )
     release.set()
     done.join(10)
     assert not done.is_alive()
@@ -86,7 +88,7 @@ def test_no_more_than_the_spares_are_kept() -> None:
         pool.submit(int)
     for pool in pools:
         pool.shutdown()
-    key = (5, threads.thread_priority())
+    key = (5, threads.thread_priority(), threads.thread_cpus())
     assert len(threads._spare[key]) == threads.SPARE_POOLS
     assert pools[-1]._threads.executor._shutdown  # the one past the bound was stopped
     for kept in threads._spare.pop(key):
@@ -121,7 +123,45 @@ def test_workers_run_at_the_priority_of_the_thread_that_asked_and_are_kept_apart
     assert foreground._threads is not lowered[0]._threads
     assert _priorities(foreground, 3) == {own}
     foreground.shutdown()
-    for key in [(3, own), (3, min(19, own + 5))]:
+    for key in [(3, own, threads.thread_cpus()), (3, min(19, own + 5), threads.thread_cpus())]:
+        for kept in threads._spare.pop(key, []):
+            kept.executor.shutdown()
+
+
+def _cpus(pool: LentPool, count: int) -> set[frozenset[int]]:
+    barrier = threading.Barrier(count, timeout=10)
+
+    def one() -> frozenset[int]:
+        barrier.wait()
+        return threads.thread_cpus()
+
+    return {f.result() for f in [pool.submit(one) for _ in range(count)]}
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to keep a thread on one",
+)
+def test_workers_run_on_the_cpus_of_the_thread_that_asked_and_are_kept_apart() -> None:
+    everywhere = threads.thread_cpus()
+    one_cpu = frozenset({max(everywhere)})
+    pinned: list[LentPool] = []
+
+    def drain() -> None:  # a remote tier's drain thread, kept on CAS_DRAIN_CPUS
+        os.sched_setaffinity(0, one_cpu)
+        pinned.append(LentPool(3, "test-cpus"))
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    thread.join()
+    assert _cpus(pinned[0], 3) == {one_cpu}  # started from this thread, which may use all
+    pinned[0].shutdown()
+    foreground = LentPool(3, "test-cpus")
+    assert foreground._threads is not pinned[0]._threads
+    assert _cpus(foreground, 3) == {everywhere}
+    foreground.shutdown()
+    own = threads.thread_priority()
+    for key in [(3, own, everywhere), (3, own, one_cpu)]:
         for kept in threads._spare.pop(key, []):
             kept.executor.shutdown()
 
