@@ -11,7 +11,8 @@ an ext4 without a journal (this project's VM), a file created within a minute of
 nearby is given an inode only after the kernel has skipped each recently deleted one
 (``recently_deleted`` in ``find_inode_bit``), under the group's lock: with the last round's store
 removed just before, that scan took 45-50% of a 1 GiB save's CPU under ``perf`` and moved the
-ratio between runs (1.11-1.29x; 1.05-1.12x without the removals, 2026-11-28).
+ratio between runs (1.11-1.20x in three runs with the removals, 1.12-1.15x in six without,
+the same code, 2026-11-28).
 
     python scripts/bench_encryption.py [--size-gb 1.0] [--repeat 3] [--json OUT]
     python scripts/bench.py --sections encryption
