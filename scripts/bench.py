@@ -139,11 +139,18 @@ def interleaved(
     is always the one measured after the others have filled and freed the page cache. The
     median of each; ``rounds``, if given, receives every round's times. ``warmup`` runs one
     untimed round first, so no writer's one-time costs (imports, thread pools, buffers a process
-    keeps) land in a timed round: a training process saves many times."""
+    keeps) land in a timed round: a training process saves many times. The warm-up runs in the
+    first timed round's order, so each writer's first timed run comes after every other writer
+    once, as each later one does. In the rotation's own order the warm-up put the writer listed
+    last first, and its first timed run came after every other writer twice. cas, listed last,
+    took 0.63-0.70 s in that round in four runs (2026-11-28), against 0.54-0.59 s in the others.
+    The floor's slowest round was the one where ``direct chunks`` came after the others twice,
+    in three of the four runs. With this order, cas's first round took 0.83, 0.61, 0.60 and
+    0.60 s in the next four runs."""
     names = list(measures)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(-1 if warmup else 0, repeat):
-        shift = round_ % len(names)
+        shift = max(round_, 0) % len(names)
         for name in names[shift:] + names[:shift]:
             fn, setup = measures[name]
             if setup is not None:
