@@ -231,10 +231,10 @@ class SealedBlobStore(BlobStoreWrapper):
         return [view[:HEADER_SIZE], view[HEADER_SIZE : at + TAG_SIZE]]
 
     @contextmanager
-    def _sealing(self, key: str, data: Payload) -> Iterator[list[BytesLike]]:
+    def _sealing(self, key: str | None, data: Payload) -> Iterator[list[BytesLike]]:
         """``seal``, in a buffer of the process's pool (``BUFFERS``) held until the block ends,
         when the store below has written the parts."""
-        if self._clear(key):
+        if key is not None and self._clear(key):
             yield list(parts_of(data))
             return
         size = sum(memoryview(p).nbytes for p in parts_of(data)) + OVERHEAD
@@ -414,10 +414,9 @@ class SealedBlobStore(BlobStoreWrapper):
                 raise _NotAnObject(key)
             return self.stored_key(key)
 
-        size = sum(memoryview(p).nbytes for p in parts_of(data)) + OVERHEAD
         try:
-            with BUFFERS.lease(size) as buffer:
-                return self.inner.put_if_absent_named(stored, self.seal(None, data, buffer))
+            with self._sealing(None, data) as sealed:
+                return self.inner.put_if_absent_named(stored, sealed)
         except _NotAnObject as e:
             return self.put_if_absent(e.key, data)
 
