@@ -31,6 +31,7 @@ small GPT-shaped model (token embedding, pre-norm transformer blocks, LM head) t
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import io
 import json
@@ -360,6 +361,10 @@ def resume(
         loop.opt.load_state_dict(state["optimizer"])
         loop.step()
         return time.perf_counter() - start
+
+    # Compiled once, as ``pip install`` leaves a package: boto3's modules are, and cas's in a
+    # source checkout run where PYTHONDONTWRITEBYTECODE is set would be compiled by every child.
+    compileall.compile_dir(str(Path(cas.__file__).parent), quiet=1)
 
     def in_new_process(*args: str) -> float:
         """A resume in a process of its own (``resume_child.py``), from starting it to its

@@ -111,3 +111,66 @@ def test_import_cas_and_its_cli_load_neither_torch_nor_numpy() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_a_job_that_saves_and_loads_imports_no_encryption_gc_file_parsers_or_boto3(
+    tmp_path: Path,
+) -> None:
+    # A job landing on a new node pays for every module it imports before its first step (and
+    # each import's objects feed the garbage collector, whose full passes cost ~0.1 s next to a
+    # model): those a save and a load never use load when first used instead.
+    probe = (
+        "import sys, numpy as np, cas, cas.blobstore.s3\n"
+        "from cas.training.manager import CheckpointManager\n"
+        f"repo = cas.open({str(tmp_path / 'store')!r})\n"
+        "repo.save({'w': np.arange(4.0)}, 'runs/r/a')\n"
+        "assert repo.load('runs/r/a')['w'].tolist() == [0.0, 1.0, 2.0, 3.0]\n"
+        "repo.close()\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in\n"
+        "    ('cryptography', 'boto3', 's3transfer') or m in (\n"
+        "    'cas.blobstore.sealed', 'cas.retention.gc', 'cas.retention.status',\n"
+        "    'cas.retention.verify', 'cas.retention.space', 'cas.retention.plan',\n"
+        "    'cas.formats._torchzip', 'cas.formats._pickle_scan', 'cas.model.describe',\n"
+        "    'cas.repo.archive', 'cas.repo.ingest', 'cas.repo.shards'))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == []
+
+
+def test_what_loads_on_first_use_still_works_in_a_fresh_process(tmp_path: Path) -> None:
+    # The lazily imported parts, each first used in a process that has not loaded them: an
+    # encrypted store, GC and its status, the file parsers (cas put of a .safetensors), and
+    # s3transfer's failure once a managed transfer has loaded it.
+    tensors = {"w": np.arange(6, dtype=np.float32)}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    probe = f"""
+import os, sys, numpy as np, cas
+os.environ["CAS_KEY"] = "a passphrase"
+sealed = cas.open({str(tmp_path / "sealed")!r}, encrypt=True)
+sealed.save({{"w": np.arange(3.0)}}, "runs/r/a")
+assert sealed.load("runs/r/a")["w"].tolist() == [0.0, 1.0, 2.0]
+assert "cryptography" in sys.modules
+repo = cas.open({str(tmp_path / "plain")!r})
+repo.put_path({str(tmp_path / "w.safetensors")!r}, "files/w")
+assert repo.show("files/w")["kind"] == "files"
+repo.save({{"w": np.arange(3.0)}}, "runs/r/a")
+repo.rm("runs/r/a")
+assert type(repo.plan_gc()).__name__ == "GCPlan"
+assert repo.status(lock=False).refs >= 1
+from cas.blobstore.s3.errors import Location, translated
+import s3transfer.exceptions
+from cas.errors import TransientBackendError
+try:
+    with translated(Location("s3://b/p", "b", "http://h"), "GET", "k"):
+        raise s3transfer.exceptions.RetriesExceededError(OSError("reset"))
+except TransientBackendError as e:
+    print("transient", e)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("transient cannot reach S3 endpoint http://h"), result.stdout

@@ -10,10 +10,15 @@ store and a sealed one, or two keys, the plaintext travels and the destination s
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 from cas.blobstore.appendonly import AppendOnlyBlobStore
 from cas.blobstore.base import BlobStore
-from cas.blobstore.sealed import SealedBlobStore
 from cas.blobstore.wrapper import BlobStoreWrapper
+
+if TYPE_CHECKING:
+    from cas.blobstore.sealed import SealedBlobStore
 
 
 class BlobCopier:
@@ -54,6 +59,10 @@ class BlobCopier:
 def _sealed_below(store: BlobStore, *, reads: bool) -> SealedBlobStore | None:
     """The sealed store under ``store``'s wrappers that pass reads (or, for writes, puts)
     through unchanged; None when there is none."""
+    if "cas.blobstore.sealed" not in sys.modules:
+        return None  # it loads with the process's first sealed store (``cas.repo.opening``)
+    from cas.blobstore.sealed import SealedBlobStore
+
     while not isinstance(store, SealedBlobStore):
         if not isinstance(store, BlobStoreWrapper):
             return None

@@ -35,14 +35,6 @@ import os
 import stat
 
 from cas.errors import FormatError, NotFound
-from cas.formats._safetensors import inspect_safetensors, looks_like_safetensors
-from cas.formats._torchzip import (
-    TORCH_SUFFIXES,
-    inspect_pickle,
-    inspect_torch_zip,
-    is_pickle_head,
-    parses_as_pickle,
-)
 from cas.formats.layout import FileLayout, TensorRegion, opaque_layout
 
 __all__ = ["FileLayout", "TensorRegion", "inspect_file"]
@@ -52,6 +44,16 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 def inspect_file(path: str | os.PathLike[str], *, allow_opaque_pickles: bool = False) -> FileLayout:
     """Describe one regular file's format and tensor regions; see the module docstring."""
+    # The parsers load on first use: a store opened to save or load never needs them.
+    from cas.formats._safetensors import inspect_safetensors, looks_like_safetensors
+    from cas.formats._torchzip import (
+        TORCH_SUFFIXES,
+        inspect_pickle,
+        inspect_torch_zip,
+        is_pickle_head,
+        parses_as_pickle,
+    )
+
     name = os.fspath(path)
     suffix = os.path.splitext(name)[1].lower()
     try:

@@ -13,10 +13,9 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from cas.blobstore import BlobStore
-from cas.blobstore.sealed import StoreKey
 from cas.codecs import Codec, codec_by_name
 from cas.digest import Digest
 from cas.errors import CASError
@@ -54,6 +53,9 @@ from cas.repo.config import CLEAN_VERSION, StoreConfig
 from cas.repo.lossy import apply_policy, parent_manifest
 from cas.repo.refs import RefOperations
 from cas.repo.streaming import StreamWriter
+
+if TYPE_CHECKING:
+    from cas.blobstore.sealed import StoreKey
 
 _ANY: Any = ...
 T = TypeVar("T")

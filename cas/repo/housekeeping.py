@@ -21,26 +21,19 @@ from cas.objects.encoding import standalone_codec
 from cas.refs.stores import Stores
 from cas.repo.config import WRITER_SETTINGS, StoreConfig, read_config, write_config
 from cas.retention.evictions import eviction_logs, read_evictions
-from cas.retention.gc import GC_SECTION, GCPlan, GCSettings, plan_gc
-from cas.retention.mend import RefRepairReport, repair_refs
-from cas.retention.plan import ForgetPlan, ForgetResult, plan_forget
 from cas.retention.policy import RETENTION_SECTION, RetentionPolicy, protection_of
-from cas.retention.repair import RepairReport, repair
-from cas.retention.space import (
-    StoreStats,
-    Usage,
-    UsageIndex,
-    UsageReport,
-    disk_usage,
-    manifest_usage,
-    store_stats,
-    stored_bytes,
-)
-from cas.retention.status import StoreStatus, store_status
-from cas.retention.verify import VerifyReport, verify
 
+# Retention plans, GC, verification, repair, space accounting and the status report load on
+# first use: a process that only saves and loads (a training job) never pays for their import.
 if TYPE_CHECKING:
     from cas.repo.snapshots import SnapshotTaken
+    from cas.retention.gc import GCPlan, GCSettings
+    from cas.retention.mend import RefRepairReport
+    from cas.retention.plan import ForgetPlan, ForgetResult
+    from cas.retention.repair import RepairReport
+    from cas.retention.space import StoreStats, Usage, UsageIndex, UsageReport
+    from cas.retention.status import StoreStatus
+    from cas.retention.verify import VerifyReport
 
 
 class HousekeepingOperations:
@@ -99,10 +92,14 @@ class HousekeepingOperations:
 
     def gc_settings(self) -> GCSettings:
         """The GC grace period and reflog window stored in the store (defaults if none)."""
+        from cas.retention.gc import GCSettings
+
         return GCSettings.from_config(self.config.extra)
 
     def store_gc_settings(self, settings: GCSettings) -> None:
         """Store the GC defaults ``cas gc`` uses when not told otherwise."""
+        from cas.retention.gc import GC_SECTION
+
         self.update_config(GC_SECTION, settings.to_config())
 
     # -- garbage collection and retention ------------------------------------------------------
@@ -118,6 +115,8 @@ class HousekeepingOperations:
 
         ``settings`` default to the stored ones; ``clock`` overrides the store's own clock.
         """
+        from cas.retention.gc import plan_gc
+
         return plan_gc(self.stores, settings or self.gc_settings(), clock=clock, lock=lock)
 
     def plan_forget(
@@ -126,6 +125,8 @@ class HousekeepingOperations:
         """Which refs ``policy`` (default: the stored one) removes and why; nothing changes
         until ``plan.execute()`` (``cas.retention.plan``), which first takes the policy's
         missing daily snapshots, as ``forget`` does."""
+        from cas.retention.plan import plan_forget
+
         policy = policy or self._stored_policy()
         plan = plan_forget(self.stores, policy, now=now)
         if not policy.snapshots:
@@ -140,6 +141,8 @@ class HousekeepingOperations:
 
         Chunks are freed by GC afterwards; ``CheckpointManager`` calls this after each save.
         """
+        from cas.retention.plan import plan_forget
+
         self.stores.check_deletes("forget")
         policy = policy or self._stored_policy()
         self.take_snapshots(policy, now=now)  # first, so the plan sees today's snapshots
@@ -186,6 +189,8 @@ class HousekeepingOperations:
     ) -> VerifyReport:
         """Check the selected refs (all by default) at ``level`` (``structure``, ``existence``,
         ``sample``, ``full``; ``cas.retention.verify``); never raises for what it finds."""
+        from cas.retention.verify import verify
+
         return verify(self.stores, selectors, level=level, sample_pct=sample_pct, progress=progress)
 
     def repair_from(
@@ -197,6 +202,8 @@ class HousekeepingOperations:
     ) -> RepairReport:
         """Verify the selected refs in full and copy every missing or corrupt object from
         ``source`` (another store: an archive, a peer's; ``cas.retention.repair``)."""
+        from cas.retention.repair import repair
+
         return repair(self.stores, source.stores.objects, selectors, progress=progress)
 
     def repair_refs(
@@ -205,6 +212,8 @@ class HousekeepingOperations:
         """Rebuild, clean or set aside every damaged ref ``selector`` picks, keeping the bytes of
         every record it changes under ``damaged/`` (``cas.retention.mend``); ``progress(1)``
         per ref checked."""
+        from cas.retention.mend import repair_refs
+
         return repair_refs(self.stores, selector, dry_run=dry_run, progress=progress)
 
     def status(self, *, clock: Callable[[], float] | None = None, lock: bool = True) -> StoreStatus:
@@ -214,28 +223,40 @@ class HousekeepingOperations:
         ``cas gc --dry-run`` does; changes nothing. ``lock=False`` writes nothing at all (a
         read-only view such as ``cas ui``), at the price of a GC figure that a concurrent
         ``cas gc`` may be changing."""
+        from cas.retention.status import store_status
+
         return store_status(
             self.stores, self.retention_policy(), self.gc_settings(), clock=clock, lock=lock
         )
 
     def disk_usage(self, selector: str = "") -> UsageReport:
         """Logical, stored, exclusive and shared bytes of the refs ``selector`` picks."""
+        from cas.retention.space import disk_usage
+
         return disk_usage(self.stores, selector)
 
     def usage_index(self) -> UsageIndex:
         """Every readable ref's objects and their counts, read once, for many usage questions
         (each run's own bytes, a checkpoint's exclusive bytes): ``cas.retention.space``."""
+        from cas.retention.space import UsageIndex
+
         return UsageIndex(self.stores)
 
     def store_stats(self) -> StoreStats:
         """Object counts, and how much dedup and compression save."""
+        from cas.retention.space import store_stats
+
         return store_stats(self.stores)
 
     def manifest_usage(self, manifest: Manifest, digest: Digest | None = None) -> Usage:
         """Logical and stored bytes of one checkpoint, with and without its delta bases (and
         its stored manifest, given its ``digest``)."""
+        from cas.retention.space import manifest_usage
+
         return manifest_usage(self.stores, manifest, digest)
 
     def stored_bytes(self, digests: Iterable[Digest]) -> int:
         """Bytes the distinct chunks among ``digests`` occupy in the store (missing ones 0)."""
+        from cas.retention.space import stored_bytes
+
         return stored_bytes(self.stores, digests)

@@ -27,15 +27,11 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
-
 from cas.blobstore.base import BlobStore
-from cas.blobstore.sealed import StoreKey
 from cas.errors import CASError, FormatError, NotFound
 
 if TYPE_CHECKING:
+    from cas.blobstore.sealed import StoreKey
     from cas.repo.repository import Repository
 
 KEYS_PREFIX = "keys/"
@@ -80,6 +76,9 @@ def _b64(data: bytes) -> str:
 @functools.lru_cache(maxsize=8)
 def _kek(passphrase: str, salt: bytes, n: int, r: int, p: int) -> bytes:
     """The key-encryption key (remembered, so a process that reopens its store pays once)."""
+    # cryptography loads with the first encrypted store, not with every ``import cas``.
+    from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+
     return Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(passphrase.encode())
 
 
@@ -87,6 +86,8 @@ def wrap(master: StoreKey, passphrase: str, *, n: int = SCRYPT_N) -> dict[str, A
     """A key document: ``master`` sealed under a key scrypt derives from ``passphrase``."""
     if not passphrase:
         raise CASError("an empty passphrase cannot protect a store")
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     salt, nonce = os.urandom(16), os.urandom(12)
     sealed = AESGCM(_kek(passphrase, salt, n, SCRYPT_R, SCRYPT_P)).encrypt(
         nonce, master.master, KEY_FORMAT.encode()
@@ -119,6 +120,11 @@ def unwrap(doc: dict[str, Any], passphrase: str) -> StoreKey | None:
         sealed = base64.b64decode(doc["wrapped"])
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"malformed key document: {e}") from e
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from cas.blobstore.sealed import StoreKey
+
     try:
         return StoreKey(
             AESGCM(_kek(passphrase, salt, n, r, p)).decrypt(nonce, sealed, KEY_FORMAT.encode())

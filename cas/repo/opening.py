@@ -7,11 +7,10 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cas.blobstore import BlobStore, LocalBlobStore, ReadOnlyBlobStore, open_for_use
 from cas.blobstore.appendonly import APPEND_ONLY_SECTION, AppendOnlyBlobStore
-from cas.blobstore.sealed import StoreKey, sealed_store
 from cas.errors import AlreadyExists, CASError, IntegrityError, NotFound
 from cas.objects.encoding import DeltaSettings
 from cas.objects.keys import parse_object_key
@@ -26,6 +25,9 @@ from cas.repo.keys import (
     passphrase_from_environment,
 )
 from cas.repo.repository import Repository
+
+if TYPE_CHECKING:
+    from cas.blobstore.sealed import StoreKey
 
 STORE_ENV = "CAS_STORE"
 
@@ -122,6 +124,8 @@ def open(
         except CASError:
             blobs.close()
             raise
+        from cas.blobstore.sealed import sealed_store  # with cryptography: encrypted stores only
+
         blobs = sealed_store(blobs, master)
     elif key is not None or encrypt:
         blobs.close()
@@ -152,6 +156,8 @@ def create_encrypted(
             f"a passphrase is needed to create an encrypted store at {blobs.url} "
             "(key=, CAS_KEY, CAS_KEY_FILE or CAS_KEY_COMMAND)"
         )
+    from cas.blobstore.sealed import StoreKey
+
     add_slot(blobs, master or StoreKey.generate(), passphrase)
     section = {"scheme": SCHEME, "version": 1}
     return replace(config, extra={**config.extra, ENCRYPTION_SECTION: section})

@@ -18,7 +18,6 @@ from cas.blobstore import ReadOnlyBlobStore
 from cas.blobstore.cache import LocalFirstBlobStore
 from cas.digest import Digest
 from cas.errors import FormatError, NotFound, NothingSelected
-from cas.model.describe import DiffEntry, diff_manifests, tensor_table
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry, decode_manifest
 from cas.model.state import (
     buffer_over,
@@ -36,16 +35,17 @@ from cas.objects.chunkio import WORKERS, Progress
 from cas.objects.keys import ObjectKind
 from cas.refs.leases import leased
 from cas.repo.core import RepositoryCore
-from cas.repo.export import export_files, export_state, file_entry, select_files
 from cas.repo.housekeeping import HousekeepingOperations
-from cas.repo.ingest import ingest_path
 from cas.repo.inplace import plan_into
 from cas.repo.lazy import CheckpointReader
-from cas.repo.shards import commit_shards, save_shard
 from cas.repo.transfers import TransferOperations
 
+# Describing, exporting, ingesting files and sharded saves load on first use: a training job
+# that only saves and loads never imports them (nor the file-format parsers ingest brings).
 if TYPE_CHECKING:
     import torch
+
+    from cas.model.describe import DiffEntry
 
 _ANY: Any = ...
 
@@ -91,10 +91,14 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
 
     def save_shard(self, state: Any, run_id: str, rank: int, world_size: int, **kw: Any) -> Digest:
         """Store this rank's shard of a checkpoint for ``commit_shards`` (see ``cas.repo.shards``)."""
+        from cas.repo.shards import save_shard
+
         return save_shard(self, state, run_id, rank, world_size, **kw)
 
     def commit_shards(self, ref: str, run_id: str, world_size: int, **kw: Any) -> Digest:
         """Merge the shards of ``run_id`` into one manifest named ``ref`` (see ``cas.repo.shards``)."""
+        from cas.repo.shards import commit_shards
+
         return commit_shards(self, ref, run_id, world_size, **kw)
 
     @leased
@@ -122,6 +126,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         ``best`` pointer or a ref the stored policy protects is replaced only with
         ``overwrite=True`` (ProtectedRef otherwise, before any chunk is written).
         """
+        from cas.repo.ingest import ingest_path  # with the file-format parsers
+
         return ingest_path(
             self,
             path,
@@ -303,6 +309,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         an exported state is written into it, never to a file of that name. ``include`` globs
         (``model*.safetensors``) keep only the ingested files whose path or name match them.
         """
+        from cas.repo.export import export_files, export_state, select_files
+
         manifest = self.manifest(ref)
         if include:
             manifest = select_files(manifest, include, ref)
@@ -336,6 +344,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def iter_file(self, spec: str) -> Iterator[bytes | memoryview]:
         """The verified bytes of one ingested file, chunk by chunk: ``spec`` is ``REF/path`` (a
         file of an ingested directory) or the ``REF`` of a single ingested file."""
+        from cas.repo.export import file_entry
+
         ref, path = self.split_file_spec(spec)
         manifest = self.manifest(ref)
         entry = file_entry(manifest, ref, path)
@@ -392,6 +402,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         the manifest and the chunks the checkpoint names, ``stored_with_bases`` adds the delta
         bases it needs (what ``cas du`` counts for the ref).
         """
+        from cas.model.describe import tensor_table
+
         digest = self.resolve(ref)
         manifest = decode_manifest(self.objects.get_manifest(digest))
         usage = self.manifest_usage(manifest, digest).as_dict()
@@ -417,6 +429,8 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
     def diff(self, a: str, b: str, *, same: bool = False) -> list[DiffEntry]:
         """Entries that differ between two checkpoints (``same``: and those that do not),
         compared by chunk digests, not bytes; tensors inside ingested files one by one."""
+        from cas.model.describe import diff_manifests
+
         return diff_manifests(self.manifest(a), self.manifest(b), same=same)
 
 

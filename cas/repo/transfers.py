@@ -8,13 +8,12 @@ and ``cas.repo.archive`` adds freeing what was archived.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING
 
 from cas.digest import Digest
 from cas.objects.recode import KEEP
 from cas.refs.stores import Stores
-from cas.repo.archive import ArchiveReport, archive
 from cas.repo.config import StoreConfig
-from cas.retention.gc import GCSettings
 from cas.sync.drain import (
     DrainReport,
     PendingCheckpoint,
@@ -24,6 +23,9 @@ from cas.sync.drain import (
     tier_lag,
 )
 from cas.sync.transfer import TransferProgress, TransferReport, pull, push
+
+if TYPE_CHECKING:
+    from cas.repo.archive import ArchiveReport  # with GC: loaded by the first archive
 
 
 class TransferOperations:
@@ -75,6 +77,9 @@ class TransferOperations:
     ) -> ArchiveReport:
         """Push ``selectors`` to ``remote``, remove them here, and free the local chunks no
         remaining ref needs (``cas.repo.archive``)."""
+        from cas.repo.archive import archive
+        from cas.retention.gc import GCSettings
+
         return archive(
             self.stores,
             remote.stores,

@@ -25,11 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from cas.digest import Digest
 from cas.errors import BackendError, CASError, NotFound
 from cas.repo.repository import Repository
-from cas.retention.plan import ForgetPlan, ForgetResult
 from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import TIERS_SECTION, PendingCheckpoint, TierLag
 from cas.training.drain_worker import (
@@ -41,6 +41,9 @@ from cas.training.drain_worker import (
 from cas.training.priority import drain_cpus, lower_thread_priority, pin_thread
 from cas.training.run_names import Layout
 from cas.training.tier_resume import Newer, RemoteResume
+
+if TYPE_CHECKING:
+    from cas.retention.plan import ForgetPlan, ForgetResult
 
 log = logging.getLogger("cas.training.tiers")
 

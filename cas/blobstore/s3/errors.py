@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import botocore.exceptions
-import s3transfer.exceptions
 
 from cas.blobstore.base import Version
 from cas.errors import BackendError, CASError, NotFound, PreconditionFailed, TransientBackendError
@@ -48,6 +48,18 @@ class Location:
         return f"{self.url}/{key}" if key else self.url
 
 
+def _unreachable() -> tuple[type[Exception], ...]:
+    """The failures that mean the endpoint could not be reached. s3transfer's own is among them
+    once a managed transfer has loaded it (``cas.blobstore.s3.transfer``): only those raise it."""
+    found: tuple[type[Exception], ...] = (
+        botocore.exceptions.ConnectionError,
+        botocore.exceptions.HTTPClientError,
+        botocore.exceptions.IncompleteReadError,
+    )
+    transfer = sys.modules.get("s3transfer.exceptions")
+    return found if transfer is None else (*found, transfer.RetriesExceededError)
+
+
 @contextmanager
 def translated(
     where: Location, op: str, key: str | None = None, expected: Version | None = None
@@ -57,12 +69,7 @@ def translated(
         yield
     except botocore.exceptions.ClientError as e:
         raise translate(e, where, op, key, expected) from e
-    except (
-        botocore.exceptions.ConnectionError,
-        botocore.exceptions.HTTPClientError,
-        botocore.exceptions.IncompleteReadError,
-        s3transfer.exceptions.RetriesExceededError,
-    ) as e:
+    except _unreachable() as e:
         raise TransientBackendError(
             f"cannot reach S3 endpoint {where.endpoint_url} ({op} {where.of(key)}): "
             f"{one_line(str(e))}"

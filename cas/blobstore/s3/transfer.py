@@ -13,8 +13,6 @@ import io
 import threading
 from typing import Any
 
-from boto3.s3.transfer import TransferConfig, create_transfer_manager
-
 from cas.blobstore.base import Payload, joined
 from cas.blobstore.s3.client import MiB, S3Options, make_client
 
@@ -48,6 +46,9 @@ class ManagedTransfers:
             return self._create_only_client
 
     def _manager(self, create_only: bool) -> Any:
+        # boto3 and s3transfer load with the first large blob: a store of chunks never needs them.
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
         client = self.create_only_client if create_only else self.client
         with self._lock:
             manager = self._managers.get(create_only)
