@@ -409,6 +409,7 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
     results["save_runs"] = save_runs(save_rounds, list(ceiling))
     results["ceiling_s"] = {name.split(":", 1)[1]: saves[name] for name in ceiling}
     floor_resave, floor_clear = resave_floor(work, state, changed)
+    resave_rounds: dict[str, list[float]] = {}
     resaves = interleaved(
         {
             "floor": (floor_resave, floor_clear),
@@ -418,10 +419,12 @@ def bench_core(work: Path, size_gb: float, repeat: int) -> dict[str, Any]:
             "cas": (cas_resave, cas_store_with_state),
         },
         repeat,
+        resave_rounds,
         warmup=True,
     )
     set_aside(work / "resave-floor")
     results["resave_floor_s"] = resaves["floor"]
+    results["resave_rounds_s"] = resave_rounds  # round by round: the order rotates
     torch_save()  # the file cas put ingests, as a cron job would
     put_dir = work / "put-store"
 

@@ -151,6 +151,36 @@ def test_a_local_transient_put_skips_the_fsyncs_a_put_makes(
     assert len(synced) == 2  # the file, then its directory
 
 
+def test_a_local_write_into_a_new_directory_makes_the_directory_itself_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new directory's entry lives in its parent: for a crash to keep a chunk written into a
+    # new fan-out directory (or a ref under a new run's directory), the parent is fsynced too.
+    import cas.blobstore.local as local
+
+    root = tmp_path / "store"
+    store = LocalBlobStore(root)
+    synced: list[Path] = []
+    real = local._fsync_dir
+
+    def recording(directory: Path) -> None:
+        synced.append(Path(directory))
+        real(directory)
+
+    monkeypatch.setattr(local, "_fsync_dir", recording)
+    key = "chunks/ab/" + "ab" * 32
+    assert store.put_if_absent(key, b"chunk")
+    store.sync()
+    assert sorted(synced) == [root, root / "chunks", root / "chunks" / "ab"]
+    synced.clear()
+    assert store.put_if_absent("chunks/ab/" + "ab" * 31 + "cd", b"other")
+    store.sync()
+    assert synced == [root / "chunks" / "ab"]  # nothing new above it this time
+    synced.clear()
+    store.put_conditional("refs/runs/r1/latest", b"ref", None)
+    assert synced == [root / "refs" / "runs" / "r1", root / "refs" / "runs", root / "refs", root]
+
+
 def test_open_blobstore_routes_fsspec_urls_to_fsspec_store() -> None:
     store = open_blobstore(f"memory://cas-route-{uuid.uuid4().hex}")
     assert isinstance(store, FsspecBlobStore)

@@ -180,11 +180,22 @@ class LocalBlobStore(BlobStore):
         """True: ``link`` creates only if absent, and compare-and-swap holds an ``flock``."""
         return True
 
-    def _ensure_parent(self, path: Path) -> None:
+    def _ensure_parent(self, path: Path) -> list[Path]:
+        """Make ``path``'s directory where it is missing; the directories that gained an entry
+        for a new one (each new level's parent). A new directory lasts a crash once its parent
+        is fsynced too: ext4 without a journal does that by itself, POSIX does not promise it."""
         parent = path.parent
-        if parent not in self._known_dirs:
-            parent.mkdir(parents=True, exist_ok=True)
-            self._known_dirs.add(parent)
+        if parent in self._known_dirs:
+            return []
+        missing: list[Path] = []
+        level = parent
+        while not level.is_dir():
+            missing.append(level)
+            level = level.parent
+        for made in reversed(missing):
+            made.mkdir(exist_ok=True)  # or another writer's: its entry is made durable here too
+        self._known_dirs.add(parent)
+        return [made.parent for made in missing]
 
     def for_background_writes(self) -> LocalBlobStore:
         """A second handle on the same directory whose large blobs go past the page cache.
@@ -248,7 +259,7 @@ class LocalBlobStore(BlobStore):
         by the next ``sync``."""
         path = self._path(key)
         with disk_errors("writing", path):
-            self._ensure_parent(path)
+            grown = self._ensure_parent(path)
             tmp = self._write_temp(*parts, fsync=durable)
             try:
                 os.replace(tmp, path)
@@ -257,7 +268,7 @@ class LocalBlobStore(BlobStore):
                 raise
         if durable:
             with self._dirty_lock:
-                self._dirty_dirs.add(path.parent)
+                self._dirty_dirs.update((path.parent, *grown))
 
     def put_if_absent(self, key: str, data: Payload) -> bool:
         """Create-only, atomic across processes: ``link`` never replaces an existing name.
@@ -277,11 +288,12 @@ class LocalBlobStore(BlobStore):
 
     def _create(self, key_of: Callable[[], str], data: Payload) -> bool:
         path: Path | None = None
+        grown: list[Path] = []
         try:
             tmp = self._write_temp(*parts_of(data))
             try:
                 path = self._path(key_of())
-                self._ensure_parent(path)
+                grown = self._ensure_parent(path)
                 os.link(tmp, path)
             except FileExistsError:
                 return False
@@ -291,7 +303,7 @@ class LocalBlobStore(BlobStore):
             raise BackendError(f"writing {path or self.root}: {e.strerror}") from e
         assert path is not None  # linked under it
         with self._dirty_lock:
-            self._dirty_dirs.add(path.parent)
+            self._dirty_dirs.update((path.parent, *grown))
         return True
 
     def sync(self) -> None:
@@ -421,7 +433,7 @@ class LocalBlobStore(BlobStore):
             if current != expected:
                 raise PreconditionFailed(f"{key!r} changed (expected {expected}, found {current})")
             with disk_errors("writing", path):
-                self._ensure_parent(path)
+                grown = self._ensure_parent(path)
                 tmp = self._write_temp(data)
                 try:
                     os.replace(tmp, path)
@@ -429,7 +441,8 @@ class LocalBlobStore(BlobStore):
                     _discard(tmp)
                     raise
                 if self._fsync:
-                    _fsync_dir(path.parent)
+                    for directory in (path.parent, *grown):  # deepest first
+                        _fsync_dir(directory)
         return Version(digest_of(bytes(data)))
 
     def delete_conditional(self, key: str, expected: Version) -> None:
