@@ -18,6 +18,7 @@ Results are printed as a table and written to ``bench-results/bench.json``.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -135,7 +136,8 @@ def interleaved(
     warmup: bool = False,
 ) -> dict[str, float]:
     """``timed`` for several writers at once: ``repeat`` rounds, each running every measure once
-    (its setup untimed, then ``os.sync``), in an order that rotates round by round, so no writer
+    (its setup untimed, then ``os.sync`` and ``gc.collect``), in an order that rotates round by
+    round, so no writer
     is always the one measured after the others have filled and freed the page cache. The
     median of each; ``rounds``, if given, receives every round's times. ``warmup`` runs one
     untimed round first, so no writer's one-time costs (imports, thread pools, buffers a process
@@ -146,7 +148,16 @@ def interleaved(
     took 0.63-0.70 s in that round in four runs (2026-11-28), against 0.54-0.59 s in the others.
     The floor's slowest round was the one where ``direct chunks`` came after the others twice,
     in three of the four runs. With this order, cas's first round took 0.83, 0.61, 0.60 and
-    0.60 s in the next four runs."""
+    0.60 s in the next four runs.
+
+    The untimed ``gc.collect`` is to the interpreter what ``os.sync`` is to the disk: no writer
+    pays for collecting garbage the others left. The warm-up's first uses (DCP's and
+    safetensors' imports, the threads and buffers each keeps) leave the collector owing a full
+    collection, and the writer whose allocations pass the threshold next pays it, whoever made
+    the objects. In this process (torch, DCP and the 1 GiB state alive) a full collection took
+    116 ms, and it fell inside cas's first timed save (0.695 s against 0.54-0.58 s in the rounds
+    after; ``gc.callbacks`` in a scratch copy, 2026-11-28): a save submits a future per chunk and
+    runs 13-17 young collections."""
     names = list(measures)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(-1 if warmup else 0, repeat):
@@ -156,6 +167,7 @@ def interleaved(
             if setup is not None:
                 setup()
             os.sync()
+            gc.collect()
             start = time.perf_counter()
             fn()
             if round_ >= 0:
