@@ -327,6 +327,41 @@ def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
     mgr.close()
 
 
+def _count_reads(blobs: Any, monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """How often each chunk of ``blobs`` is read, whole or in part, by digest."""
+    read: collections.Counter[str] = collections.Counter()
+    for name in ("get", "get_range"):
+        original = getattr(blobs, name)
+
+        def counted(key: str, *args: Any, _original: Any = original) -> Any:
+            if key.startswith("chunks/"):
+                read[key.rsplit("/", 1)[-1]] += 1
+            return _original(key, *args)
+
+        monkeypatch.setattr(blobs, name, counted)
+    return read
+
+
+@pytest.mark.parametrize("kept", [256 << 20, 0])
+def test_a_checkpoint_a_resume_loaded_from_the_remote_joins_the_local_tier_without_a_second_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: int
+) -> None:
+    import cas.training.tier_resume as tier_resume
+
+    monkeypatch.setattr(tier_resume, "KEEP_BYTES", kept)
+    remote, node2 = _drained_run_and_a_node_with_the_base(tmp_path)
+    read = _count_reads(remote.objects.blobs, monkeypatch)
+    mgr = CheckpointManager(node2, run="r1", signals=False, remote=remote)
+    assert_bit_exact(mgr.restore("auto").state, _state(2))
+    loaded = dict(read)
+    assert loaded and set(loaded.values()) == {1}
+    mgr.close()  # adopts the checkpoint into the local tier (as the run's next save would)
+    assert node2.find_ref(CKPT.format(2)) is not None
+    assert_bit_exact(node2.load(CKPT.format(2))["state"], _state(2))
+    # What the load read, the pull took from memory; with nothing kept, it read it all again.
+    assert dict(read) == (loaded if kept else {d: 2 for d in loaded})
+
+
 def test_a_resume_that_finds_a_cached_base_chunk_corrupt_heals_it_from_the_remote(
     tmp_path: Path,
 ) -> None:

@@ -144,6 +144,7 @@ class LocalFirstBlobStore(BlobStoreWrapper):
         *,
         prefixes: tuple[str, ...],
         remembered: tuple[str, ...] = (),
+        keep: KeptObjects | None = None,
     ) -> None:
         super().__init__(remote)
         self.local = local
@@ -151,6 +152,9 @@ class LocalFirstBlobStore(BlobStoreWrapper):
         self.remembered = remembered
         """Keys read from ``remote`` more than once by one load (a manifest: for its checks,
         then for its chunks), kept after the first read: small, and immutable."""
+        self.keep = keep
+        """Where the objects under ``prefixes`` read from ``remote`` are also kept, for a later
+        copy of them into ``local`` (``HandedBlobStore``), if anywhere."""
         self._kept: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
@@ -161,14 +165,18 @@ class LocalFirstBlobStore(BlobStoreWrapper):
             except NotFound:
                 pass
         if not key.startswith(self.remembered):
-            return self.inner.get(key)
-        with self._lock:
-            kept = self._kept.get(key)
-        if kept is None:
-            kept = self.inner.get(key)
+            data = self.inner.get(key)
+        else:
             with self._lock:
-                self._kept[key] = kept
-        return kept
+                kept = self._kept.get(key)
+            if kept is not None:
+                return kept
+            data = self.inner.get(key)
+            with self._lock:
+                self._kept[key] = data
+        if self.keep is not None and key.startswith(self.prefixes):
+            self.keep.add(key, data)
+        return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         if key.startswith(self.prefixes) and end > start:
@@ -185,6 +193,61 @@ class LocalFirstBlobStore(BlobStoreWrapper):
     def local_root(self) -> Path | None:
         """None: reads go through ``get``, which picks the side."""
         return None
+
+    @property
+    def supports_rename(self) -> bool:
+        return False
+
+
+class KeptObjects:
+    """Objects read from a remote store, kept in memory up to ``limit`` bytes for one later copy
+    of the same objects, so they cross the network once (``HandedBlobStore`` hands them out).
+
+    A resume loads a checkpoint straight from the remote tier, then the run's next save pulls
+    it into the local one: without these, every object the load read was read again.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._objects: dict[str, bytes] = {}
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, key: str, data: bytes) -> None:
+        """Keep ``data`` (the object ``key`` as its store holds it) if it fits under the limit."""
+        with self._lock:
+            if key not in self._objects and self.nbytes + len(data) <= self.limit:
+                self._objects[key] = data
+                self.nbytes += len(data)
+
+    def take(self, key: str) -> bytes | None:
+        """The object ``key`` if kept, forgotten here; None if not."""
+        with self._lock:
+            data = self._objects.pop(key, None)
+            if data is not None:
+                self.nbytes -= len(data)
+            return data
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._objects)
+
+
+class HandedBlobStore(BlobStoreWrapper):
+    """``inner``, with the objects in ``kept`` read from memory instead, each once: a copy out
+    of ``inner`` that follows a read of the same objects (``KeptObjects``). What is read is
+    checked by the caller against its digests, as any read of ``inner`` is."""
+
+    def __init__(self, inner: BlobStore, kept: KeptObjects) -> None:
+        super().__init__(inner)
+        self.kept = kept
+
+    def get(self, key: str) -> bytes:
+        data = self.kept.take(key)
+        return self.inner.get(key) if data is None else data
+
+    def close(self) -> None:
+        """Nothing: ``inner`` belongs to the repository that opened it."""
 
     @property
     def supports_rename(self) -> bool:

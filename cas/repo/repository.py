@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cas.blobstore import ReadOnlyBlobStore
-from cas.blobstore.cache import LocalFirstBlobStore
+from cas.blobstore.base import BlobStore
+from cas.blobstore.cache import HandedBlobStore, LocalFirstBlobStore
+from cas.blobstore.cache import KeptObjects as KeptObjects  # for the training layer
 from cas.digest import Digest
 from cas.errors import FormatError, NotFound, NothingSelected
 from cas.model.manifest import ChunkRef, Manifest, TensorEntry, decode_manifest
@@ -74,19 +76,32 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
             read_limits=self.read_limits,
         )
 
-    def read_through(self, remote: Repository) -> Repository | None:
+    def read_through(
+        self, remote: Repository, keep: KeptObjects | None = None
+    ) -> Repository | None:
         """``remote`` as a read-only store whose chunks and manifests are read here first when
         this store holds them (a resume from a remote tier: a cached base does not travel).
-        Writes nothing here. None when either store is encrypted (their keys differ)."""
+        Writes nothing here; what it reads from ``remote`` is also kept in ``keep``, if given,
+        for a pull of the same checkpoint (``handing``). None when either store is encrypted
+        (their keys differ)."""
         if self.store_key is not None or remote.store_key is not None:
             return None
         objects = ("chunks/", "manifests/")  # content-addressed: the same bytes on either side
         blobs = LocalFirstBlobStore(
-            self.blobs, remote.blobs, prefixes=objects, remembered=("manifests/",)
+            self.blobs, remote.blobs, prefixes=objects, remembered=("manifests/",), keep=keep
         )
+        return remote._reading(blobs)
+
+    def handing(self, kept: KeptObjects) -> Repository:
+        """This store, read-only, with the objects in ``kept`` read from memory instead (each
+        once): the source of a pull that follows a ``read_through`` load of the same objects."""
+        return self._reading(HandedBlobStore(self.blobs, kept))
+
+    def _reading(self, blobs: BlobStore) -> Repository:
+        """A read-only handle on ``blobs`` (a wrapper around this store's), with its config."""
         return Repository(
-            ReadOnlyBlobStore(blobs), remote.config, clock=remote.clock, owns_blobs=False,
-            read_limits=remote.read_limits,
+            ReadOnlyBlobStore(blobs), self.config, clock=self.clock, owns_blobs=False,
+            read_limits=self.read_limits,
         )  # fmt: skip
 
     def save_shard(self, state: Any, run_id: str, rank: int, world_size: int, **kw: Any) -> Digest:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from cas.digest import Digest
 from cas.errors import BackendError, CASError, NotFound
-from cas.repo.repository import Repository
+from cas.repo.repository import KeptObjects, Repository
 from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import TIERS_SECTION, PendingCheckpoint, TierLag
 from cas.training.drain_worker import (
@@ -128,6 +128,7 @@ class RemoteTier(RemoteResume):
         self._remote: Repository | None = remote if isinstance(remote, Repository) else None
         self._reader: Repository | None = None
         self._adopting: Newer | None = None
+        self._kept: KeptObjects | None = None
         """A checkpoint a resume loaded from the remote, for the local tier (``settle``)."""
         self._remote_url = remote.url if isinstance(remote, Repository) else remote
         self._opening = threading.Lock()
