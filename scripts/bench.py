@@ -137,8 +137,8 @@ def interleaved(
 ) -> dict[str, float]:
     """``timed`` for several writers at once: ``repeat`` rounds, each running every measure once
     (its setup untimed, then ``os.sync`` and ``gc.collect``), in an order that rotates round by
-    round, so no writer
-    is always the one measured after the others have filled and freed the page cache. The
+    round, so no writer is always the one measured after the others have filled and freed the
+    page cache. The
     median of each; ``rounds``, if given, receives every round's times. ``warmup`` runs one
     untimed round first, so no writer's one-time costs (imports, thread pools, buffers a process
     keeps) land in a timed round: a training process saves many times. The warm-up runs in the

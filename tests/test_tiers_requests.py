@@ -302,31 +302,6 @@ def _drained_run_and_a_node_with_the_base(tmp_path: Path) -> tuple[cas.Repositor
     return remote, node2
 
 
-def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    remote, node2 = _drained_run_and_a_node_with_the_base(tmp_path)
-    cached = set(node2.manifest("models/base").chunk_digests())
-    read: list[str] = []
-    blobs = remote.objects.blobs
-    for name in ("get", "get_range"):
-        original = getattr(blobs, name)
-
-        def counted(key: str, *args: Any, _original: Any = original) -> Any:
-            read.append(key)
-            return _original(key, *args)
-
-        monkeypatch.setattr(blobs, name, counted)
-    mgr = CheckpointManager(node2, run="r1", signals=False, remote=remote)
-    restored = mgr.restore("auto")
-    assert_bit_exact(restored.state, _state(2))
-    chunks = {k.rsplit("/", 1)[-1] for k in read if k.startswith("chunks/")}
-    wanted = set(remote.manifest(CKPT.format(2)).chunk_digests())
-    assert chunks == wanted - cached  # the head and the RNG states, none of the base
-    assert cached & wanted
-    mgr.close()
-
-
 def _count_reads(blobs: Any, monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """How often each chunk of ``blobs`` is read, whole or in part, by digest."""
     read: collections.Counter[str] = collections.Counter()
@@ -340,6 +315,22 @@ def _count_reads(blobs: Any, monkeypatch: pytest.MonkeyPatch) -> collections.Cou
 
         monkeypatch.setattr(blobs, name, counted)
     return read
+
+
+def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote, node2 = _drained_run_and_a_node_with_the_base(tmp_path)
+    cached = set(node2.manifest("models/base").chunk_digests())
+    read = _count_reads(remote.objects.blobs, monkeypatch)
+    mgr = CheckpointManager(node2, run="r1", signals=False, remote=remote)
+    restored = mgr.restore("auto")
+    assert_bit_exact(restored.state, _state(2))
+    chunks = set(read)
+    wanted = set(remote.manifest(CKPT.format(2)).chunk_digests())
+    assert chunks == wanted - cached  # the head and the RNG states, none of the base
+    assert cached & wanted
+    mgr.close()
 
 
 @pytest.mark.parametrize("kept", [256 << 20, 0])

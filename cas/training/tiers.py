@@ -128,8 +128,9 @@ class RemoteTier(RemoteResume):
         self._remote: Repository | None = remote if isinstance(remote, Repository) else None
         self._reader: Repository | None = None
         self._adopting: Newer | None = None
-        self._kept: KeptObjects | None = None
         """A checkpoint a resume loaded from the remote, for the local tier (``settle``)."""
+        self._kept: KeptObjects | None = None
+        """What that resume read from the remote, for the pull that adopts it."""
         self._remote_url = remote.url if isinstance(remote, Repository) else remote
         self._opening = threading.Lock()
         self.checkpoints = checkpoints
