@@ -22,7 +22,7 @@ import torch
 import cas
 from cas.training.drain_worker import ENV_MODE, InProcessRemote, WorkerRemote
 from cas.training.manager import CheckpointManager
-from cas.training.priority import ENV_CPUS
+from cas.training.priority import ENV_BACKGROUND_CPUS, ENV_CPUS, drain_cpus
 from tests.helpers import assert_bit_exact
 
 
@@ -104,12 +104,13 @@ def test_an_unknown_cas_drain_is_one_clear_error(
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+@pytest.mark.parametrize("variable", [ENV_CPUS, ENV_BACKGROUND_CPUS])
 def test_cas_drain_cpus_keeps_the_drain_and_its_worker_on_those_cpus(
-    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str
 ) -> None:
     everywhere = os.sched_getaffinity(0)
     cpu = max(everywhere)
-    monkeypatch.setenv(ENV_CPUS, str(cpu))
+    monkeypatch.setenv(variable, str(cpu))  # CAS_BACKGROUND_CPUS covers the drain too
     local = cas.open(tmp_path / "local")
     with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
         worker = _first_drain(mgr)
@@ -126,14 +127,59 @@ def test_cas_drain_cpus_keeps_the_drain_and_its_worker_on_those_cpus(
     ("value", "message"),
     [("two", "must list CPUs as in '3' or '2-5,7', got 'two'"), ("4096", "may not use")],
 )
+@pytest.mark.parametrize(("variable", "remote"), [(ENV_CPUS, True), (ENV_BACKGROUND_CPUS, False)])
 def test_a_bad_cas_drain_cpus_is_one_clear_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, message: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+    message: str,
+    variable: str,
+    remote: bool,
 ) -> None:
-    monkeypatch.setenv(ENV_CPUS, value)
-    with pytest.raises(ValueError, match=message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}.*{message}|{message}"):
         CheckpointManager(
-            cas.open(tmp_path / "local"), run="r1", signals=False, remote=str(tmp_path / "r")
-        )
+            cas.open(tmp_path / "local"), run="r1", signals=False,
+            remote=str(tmp_path / "r") if remote else None,
+        )  # fmt: skip
+
+
+def test_cas_drain_cpus_wins_over_cas_background_cpus_for_the_drain() -> None:
+    cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity here")
+    first = min(os.sched_getaffinity(0))
+    both = {ENV_CPUS: str(first), ENV_BACKGROUND_CPUS: str(cpu)}
+    assert drain_cpus(both) == {first}
+    assert drain_cpus({ENV_BACKGROUND_CPUS: str(cpu)}) == {cpu}
+    assert drain_cpus({}) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_cas_background_cpus_keeps_a_background_save_and_its_chunk_workers_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cas.objects.store import ObjectStore
+
+    everywhere = os.sched_getaffinity(0)
+    cpu = max(everywhere)
+    monkeypatch.setenv(ENV_BACKGROUND_CPUS, str(cpu))
+    seen: dict[int, frozenset[int]] = {}  # thread -> its CPUs, for each thread writing a chunk
+    put_chunk = ObjectStore.put_chunk
+
+    def recorded(self: ObjectStore, *args: Any, **kwargs: Any) -> Any:
+        seen[threading.get_native_id()] = frozenset(os.sched_getaffinity(0))
+        return put_chunk(self, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "put_chunk", recorded)
+    local = cas.open(tmp_path / "local")
+    weights = {"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))}
+    with CheckpointManager(local, run="r1", signals=False) as mgr:
+        mgr.save(1, weights).result()
+        assert os.sched_getaffinity(0) == everywhere  # the loop's thread stays where it was
+    assert seen and set(seen.values()) == {frozenset({cpu})}
+    assert threading.get_native_id() not in seen
+    assert_bit_exact(local.load("runs/r1/latest")["state"], weights)
 
 
 def test_stores_a_worker_cannot_reopen_drain_in_a_thread(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from cas.errors import CASError
 from cas.model.state import alias_key, build_sparse, sparse_layout, sparse_parts
 from cas.repo.background import staging_offset
-from cas.training.priority import lower_thread_priority
+from cas.training.priority import lower_thread_priority, pin_thread
 
 if TYPE_CHECKING:
     import torch
@@ -144,14 +144,21 @@ class Stager:
 class AsyncWriter(Generic[T]):
     """Runs save jobs on one background thread, in order, at most ``max_in_flight`` at once."""
 
-    def __init__(self, max_in_flight: int = 1, *, name: str = "cas-save", nice: int = 0) -> None:
+    def __init__(
+        self,
+        max_in_flight: int = 1,
+        *,
+        name: str = "cas-save",
+        nice: int = 0,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self.max_in_flight = max_in_flight
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name, initializer=lower_thread_priority,
-            initargs=(nice,),
+            max_workers=1, thread_name_prefix=name, initializer=_background_thread,
+            initargs=(nice, cpus),
         )  # fmt: skip
         self._failure: BaseException | None = None
         self._failure_lock = threading.Lock()
@@ -312,3 +319,10 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     import torch
 
     return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _background_thread(nice: int, cpus: frozenset[int] | None) -> None:
+    """The save thread's start: at ``nice`` more than the caller, on ``cpus`` if given; the
+    chunk workers it starts take both."""
+    lower_thread_priority(nice)
+    pin_thread(cpus)

@@ -50,6 +50,7 @@ from cas.training.compat import (
     resume_meta,
 )
 from cas.training.history import HistoryRecord, TrainingHistory, plain_record
+from cas.training.priority import background_cpus
 from cas.training.restore import (
     Found,
     Restored,
@@ -153,15 +154,14 @@ class CheckpointManager(RunRefs):
         self._writer: AsyncWriter[SaveResult] | None = None
         self._write_repo = repo
         if background_nice is None:
-            # Measured (docs/training.md, "Async saves"): at normal priority a save finishes in
-            # fewer slices, but once it has a core lent, low priority keeps its extra threads
-            # off the core the loop kept.
+            # docs/training.md, "Async saves": normal priority finishes in fewer slices; with a
+            # core lent, low priority keeps the save's extra threads off the loop's core.
             background_nice = 10 if yield_thread else 0
         if async_save:
-            self._writer = AsyncWriter(max_in_flight, nice=background_nice)
-            # Its own chunk workers, started from the low-priority save thread, so they inherit
-            # that priority; the same blobs, written past the page cache where the store can
-            # (a local store's O_DIRECT halves what a save takes from the loop, docs/design.md).
+            self._writer = AsyncWriter(max_in_flight, nice=background_nice, cpus=background_cpus())
+            # Its own chunk workers, started from the low-priority save thread (kept on
+            # CAS_BACKGROUND_CPUS if set), so they inherit both; the same blobs, written past the
+            # page cache where the store can (O_DIRECT halves a save's cost to the loop).
             self._write_repo = repo.for_background_writes(background_workers)
         self._write_history = TrainingHistory(self._write_repo, self.history.ref)
         self.yield_thread = yield_thread
