@@ -144,14 +144,12 @@ def test_a_bad_cas_drain_cpus_is_one_clear_error(
         )  # fmt: skip
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_cas_drain_cpus_wins_over_cas_background_cpus_for_the_drain() -> None:
-    cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-    if not hasattr(os, "sched_setaffinity"):
-        pytest.skip("no CPU affinity here")
-    first = min(os.sched_getaffinity(0))
-    both = {ENV_CPUS: str(first), ENV_BACKGROUND_CPUS: str(cpu)}
-    assert drain_cpus(both) == {first}
-    assert drain_cpus({ENV_BACKGROUND_CPUS: str(cpu)}) == {cpu}
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    both = {ENV_CPUS: str(first), ENV_BACKGROUND_CPUS: str(last)}
+    assert drain_cpus(both) == frozenset({first})
+    assert drain_cpus({ENV_BACKGROUND_CPUS: str(last)}) == frozenset({last})
     assert drain_cpus({}) is None
 
 
