@@ -155,7 +155,7 @@ class LocalFirstBlobStore(BlobStoreWrapper):
         self.keep = keep
         """Where the objects under ``prefixes`` read from ``remote`` are also kept, for a later
         copy of them into ``local`` (``HandedBlobStore``), if anywhere."""
-        self._kept: dict[str, bytes] = {}
+        self._remembered_objects: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str) -> bytes:
@@ -168,12 +168,12 @@ class LocalFirstBlobStore(BlobStoreWrapper):
             data = self.inner.get(key)
         else:
             with self._lock:
-                kept = self._kept.get(key)
-            if kept is not None:
-                return kept
+                remembered = self._remembered_objects.get(key)
+            if remembered is not None:
+                return remembered
             data = self.inner.get(key)
             with self._lock:
-                self._kept[key] = data
+                self._remembered_objects[key] = data
         if self.keep is not None and key.startswith(self.prefixes):
             self.keep.add(key, data)
         return data
