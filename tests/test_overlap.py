@@ -152,3 +152,28 @@ def test_a_failed_write_waits_for_the_hash_and_leaves_no_file(
     # The hash read the staging buffer until it ended; the buffer went back only after that.
     assert len(ended) == 1 and ended[0] <= raised
     assert not any(p.is_file() for p in tmp_path.rglob("*") if "chunks" in p.parts)
+
+
+def test_a_re_save_writes_each_changed_chunk_while_hashing_it_and_no_stored_chunk_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-save's handle probes each chunk where it lies. A changed chunk (the probe missed)
+    goes to disk at once while it is hashed again; four of them in a row do not turn the odds,
+    so the stored chunks after them are not copied and written again."""
+    stored = [blob(10 + i) for i in range(12)]
+    first_save = ObjectStore(LocalBlobStore(tmp_path))
+    assert all(first_save.put_chunk(data, RAW).new for data in stored)
+    events = slow_hash_and_recorded_writes(monkeypatch)
+    changed = [blob(100 + i) for i in range(4)]
+
+    re_save = ObjectStore(LocalBlobStore(tmp_path))  # a new handle, as each save opens one
+    results = [re_save.put_chunk(data, RAW) for data in stored[:6] + changed + stored[6:]]
+
+    assert [r.new for r in results] == [False] * 6 + [True] * 4 + [False] * 6
+    assert [kind for kind, _ in events] == ["hash started", "written"] * 4, events
+    for (_, started), (_, written) in zip(events[::2], events[1::2], strict=True):
+        assert written - started < SLOW_HASH, events  # the write did not wait for the hash
+    assert re_save._reuse.likely()
+    for data, result in zip(changed, results[6:10], strict=True):
+        assert bytes(re_save.get_chunk(result.digest)) == data.tobytes()
+    assert temp_files(tmp_path) == []

@@ -31,17 +31,22 @@ from cas.objects.private import PRIVATE_ALIGN_MIN, ReuseOdds
 from cas.objects.staging import CPU_SLOTS, cores
 
 
-def writes_first(view: memoryview, codec: Codec, reuse: ReuseOdds) -> bool:
-    """Whether a new chunk of ``view`` (read privately) is written before its name is known."""
-    return codec.codec_id == RAW_CODEC_ID and len(view) >= PRIVATE_ALIGN_MIN and not reuse.likely()
+def writes_first(view: memoryview, codec: Codec, reuse: ReuseOdds, missed: bool = False) -> bool:
+    """Whether a new chunk of ``view`` (read privately) is written before its name is known:
+    when the odds say new, or a probe of the same bytes where they lie just ``missed`` (in a
+    re-save the odds say stored, and a changed chunk then waited for two hashes before its write
+    went out, which made the last one found the save's tail)."""
+    likely_new = missed or not reuse.likely()
+    return codec.codec_id == RAW_CODEC_ID and len(view) >= PRIVATE_ALIGN_MIN and likely_new
 
 
 def write_while_hashing(
-    blobs: BlobStore, view: memoryview, codec: Codec, reuse: ReuseOdds
+    blobs: BlobStore, view: memoryview, codec: Codec, reuse: ReuseOdds, counted: bool = False
 ) -> tuple[bool, Digest]:
     """Store ``view`` as a raw chunk in ``blobs`` while it is hashed: whether this call created
     it, and its digest. A name found taken (stored meanwhile, or damaged) is left to the caller,
-    which knows how to reuse or repair it."""
+    which knows how to reuse or repair it. The outcome counts in ``reuse`` unless a probe
+    ``counted`` this put already."""
     hashed = hash_aside(view)
     try:
         stored = blobs.put_if_absent_named(
@@ -50,7 +55,8 @@ def write_while_hashing(
         )
     finally:
         futures.wait([hashed])  # the hash reads the caller's buffer: it ends before the call does
-    reuse.observe(not stored)
+    if not counted:
+        reuse.observe(not stored)
     return stored, hashed.result()
 
 

@@ -120,6 +120,7 @@ class ObjectStore:
         chain is broken (safe against any writer: a standalone chunk needs no base). Decoded
         bytes, hence identity, never change.
         """
+        miss = False
         if not replace and not is_private(data) and self._reuse.likely():
             # Probe where the bytes lie: a reuse writes nothing, so it needs no private reading
             # (invariant 9 is about what is written); a miss falls through to one.
@@ -128,10 +129,11 @@ class ObjectStore:
                 reused = self._reused(probed, memoryview(data).nbytes, freshen)
                 if reused is not None:
                     return reused
+                miss = True
         view = memoryview(data).cast("B")
         if is_private(view) or view.nbytes < PRIVATE_ALIGN_MIN:
             return self._put_private(
-                data, private_view(view), codec, hints, expected, freshen, replace, encoded
+                data, private_view(view), codec, hints, expected, freshen, replace, encoded, miss
             )
         # A large chunk of memory someone else may change: one copy into the staging pool, which
         # is private, warm, and laid out for a direct write past the page cache.
@@ -139,21 +141,22 @@ class ObjectStore:
             with CPU_SLOTS:
                 copy_into(staged, view)
             return self._put_private(
-                data, memoryview(staged), codec, hints, expected, freshen, replace, encoded
+                data, memoryview(staged), codec, hints, expected, freshen, replace, encoded, miss
             )
 
     def _put_private(
         self, data: object, view: memoryview, codec: Codec, hints: EncodeHints,
         expected: Digest | None, freshen: bool, replace: bool, encoded: Encoding | None,
+        miss: bool = False,
     ) -> PutResult:  # fmt: skip
         """``put_chunk`` once ``view`` is a private reading of ``data``: hash, encode and write it
         create-only unless stored, past the page cache where the store can (a new raw chunk while
-        it is hashed, ``cas.objects.overlap``)."""
+        it is hashed, ``cas.objects.overlap``, as is one a probe in place just found a ``miss``)."""
         plain = (
             expected is None and not replace and encoded is None and self._cold is not self.blobs
         )
-        if plain and overlap.writes_first(view, codec, self._reuse):
-            stored, digest = overlap.write_while_hashing(self._cold, view, codec, self._reuse)
+        if plain and overlap.writes_first(view, codec, self._reuse, miss):
+            stored, digest = overlap.write_while_hashing(self._cold, view, codec, self._reuse, miss)
             if stored:
                 return PutResult(digest, len(view), HEADER_SIZE + len(view), True, None)
         else:
@@ -260,10 +263,6 @@ class ObjectStore:
             except IntegrityError:
                 return False, None
         return True, codec.base_of(envelope.params)
-
-    def stored_size(self, digest: Digest) -> int:
-        """Bytes the chunk occupies in the store."""
-        return self.blobs.stat(chunk_key(digest)).size
 
     def get_chunk(self, digest: Digest) -> bytes | memoryview:
         """The verified decoded bytes of a chunk; IntegrityError if they do not hash to ``digest``.
