@@ -333,24 +333,45 @@ def test_a_resume_reads_from_the_remote_only_the_chunks_this_node_lacks(
     mgr.close()
 
 
-@pytest.mark.parametrize("kept", [256 << 20, 0])
+@pytest.mark.parametrize("handed", [True, False])
 def test_a_checkpoint_a_resume_loaded_from_the_remote_joins_the_local_tier_without_a_second_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handed: bool
 ) -> None:
-    import cas.training.tier_resume as tier_resume
+    from cas.repo.repository import KeptObjects
 
-    monkeypatch.setattr(tier_resume, "KEEP_BYTES", kept)
+    if not handed:  # as before the objects a load read were kept
+        monkeypatch.setattr(KeptObjects, "add", lambda self, key, data: None)
     remote, node2 = _drained_run_and_a_node_with_the_base(tmp_path)
     read = _count_reads(remote.objects.blobs, monkeypatch)
     mgr = CheckpointManager(node2, run="r1", signals=False, remote=remote)
     assert_bit_exact(mgr.restore("auto").state, _state(2))
     loaded = dict(read)
     assert loaded and set(loaded.values()) == {1}
+    assert node2.find_ref(CKPT.format(2)) is None  # loaded from the remote, nothing written
     mgr.close()  # adopts the checkpoint into the local tier (as the run's next save would)
     assert node2.find_ref(CKPT.format(2)) is not None
     assert_bit_exact(node2.load(CKPT.format(2))["state"], _state(2))
     # What the load read, the pull took from memory; with nothing kept, it read it all again.
-    assert dict(read) == (loaded if kept else {d: 2 for d in loaded})
+    assert dict(read) == (loaded if handed else {d: 2 for d in loaded})
+
+
+def test_a_checkpoint_too_large_to_keep_is_pulled_first_and_crosses_the_network_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cas.training.tier_resume as tier_resume
+
+    remote, node2 = _drained_run_and_a_node_with_the_base(tmp_path)
+    cached = set(node2.manifest("models/base").chunk_digests())
+    lacking = set(remote.manifest(CKPT.format(2)).chunk_digests()) - cached
+    monkeypatch.setattr(tier_resume, "KEEP_BYTES", 4096)  # less than the chunks node2 lacks
+    read = _count_reads(remote.objects.blobs, monkeypatch)
+    mgr = CheckpointManager(node2, run="r1", signals=False, remote=remote)
+    restored = mgr.restore("auto")
+    assert_bit_exact(restored.state, _state(2))
+    assert node2.find_ref(CKPT.format(2)) is not None  # in the local tier before the first step
+    mgr.close()
+    assert dict(read) == {d: 1 for d in lacking}  # the cached base was not read either
+    assert_bit_exact(node2.load(CKPT.format(2))["state"], _state(2))
 
 
 def test_a_resume_that_finds_a_cached_base_chunk_corrupt_heals_it_from_the_remote(

@@ -7,9 +7,10 @@ rest from the remote, and writes nothing locally before the first training step.
 save first adopts the checkpoint into the local tier (pulls what the local store lacks, then
 points the local ``latest`` at it), so the save's ``latest`` moves on from it as always. The
 objects the load read from the remote are kept in memory until then (up to ``KEEP_BYTES``), and
-that pull takes them from there: a checkpoint up to that size crosses the network once. When the
-read from the remote fails (a damaged object, an encrypted store), the checkpoint is pulled into
-the local tier first and loaded from there, where a damaged chunk is healed as on any resume.
+that pull takes them from there: a checkpoint up to that size crosses the network once. A
+checkpoint that needs more from the remote than that, and one whose read from the remote fails (a
+damaged object, an encrypted store), is pulled into the local tier first and loaded from there,
+where a damaged chunk is healed as on any resume: it too crosses the network once.
 
 Every read goes through a read-only handle on the remote: a resume waits for no probe of
 conditional writes and takes no lease there.
@@ -33,8 +34,8 @@ __all__ = ["Loader", "Newer", "RemoteResume"]
 
 KEEP_BYTES = 256 << 20
 """The most a resume from the remote keeps in memory of the objects it read there, until the
-run's next save pulls the checkpoint into the local tier; past it, that pull reads the rest
-from the remote again. Without it, a 3.7 MB checkpoint's 15 chunks were read twice."""
+run's next save pulls the checkpoint into the local tier (without it, a 3.7 MB checkpoint's 15
+chunks were read twice). A checkpoint needing more from the remote is pulled first."""
 
 Loader = Callable[[Repository, Iterable[tuple[str, Digest]]], Found]
 """Loads the first good of ``(ref, digest)`` candidates from a store (``load_first_good``)."""
@@ -117,7 +118,7 @@ class RemoteResume:
         there = self.reader()
         kept = KeptObjects(KEEP_BYTES)
         through = self.local.read_through(there, kept) if there is not None else None
-        if through is not None:
+        if through is not None and self._fits(through, newer.target):
             try:
                 found = load(through, [(newer.ref, newer.target)])
             except CASError as e:
@@ -129,6 +130,24 @@ class RemoteResume:
                 return found
         self._adopt(newer)
         return load(self.local, resume_candidates(self.local, self.latest))
+
+    def _fits(self, through: Repository, target: Digest) -> bool:
+        """Whether the chunks of ``target`` the local store lacks fit in ``KEEP_BYTES``, so a
+        load read through to the remote hands them all to the pull that adopts it. A larger
+        checkpoint is pulled first and loaded from the local tier: each of its chunks then
+        crosses the network once, not once for the load and again for the adopting pull. The
+        manifest is read through ``through``, which remembers it for the load."""
+        try:
+            chunks = {ref.digest: ref.size for ref in through.manifest(target).chunk_refs()}
+        except CASError:
+            return True  # the load meets the same fault, and falls back to pulling first
+        lacking = 0
+        for digest, size in chunks.items():
+            if not self.local.objects.has_chunk(digest):
+                lacking += size
+                if lacking > KEEP_BYTES:
+                    return False
+        return True
 
     def settle(self) -> bool:
         """Adopt a checkpoint a resume loaded from the remote into the local tier (pull what
