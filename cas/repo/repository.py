@@ -92,6 +92,20 @@ class Repository(RepositoryCore, HousekeepingOperations, TransferOperations):
         )
         return remote._reading(blobs)
 
+    def lacking_bytes(self, chunks: Iterable[ChunkRef], limit: int) -> int:
+        """Bytes of the distinct ``chunks`` this store does not hold, counted until past
+        ``limit`` (a resume's choice between reading a checkpoint through to a remote and
+        pulling it first, ``cas.training.tier_resume``)."""
+        lacking = 0
+        seen: set[Digest] = set()
+        for ref in chunks:
+            if ref.digest not in seen and not self.objects.has_chunk(ref.digest):
+                lacking += ref.size
+                if lacking > limit:
+                    break
+            seen.add(ref.digest)
+        return lacking
+
     def handing(self, kept: KeptObjects) -> Repository:
         """This store, read-only, with the objects in ``kept`` read from memory instead (each
         once): the source of a pull that follows a ``read_through`` load of the same objects."""

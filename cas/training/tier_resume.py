@@ -138,16 +138,10 @@ class RemoteResume:
         crosses the network once, not once for the load and again for the adopting pull. The
         manifest is read through ``through``, which remembers it for the load."""
         try:
-            chunks = {ref.digest: ref.size for ref in through.manifest(target).chunk_refs()}
+            chunks = through.manifest(target).chunk_refs()
         except CASError:
             return True  # the load meets the same fault, and falls back to pulling first
-        lacking = 0
-        for digest, size in chunks.items():
-            if not self.local.objects.has_chunk(digest):
-                lacking += size
-                if lacking > KEEP_BYTES:
-                    return False
-        return True
+        return self.local.lacking_bytes(chunks, KEEP_BYTES) <= KEEP_BYTES
 
     def settle(self) -> bool:
         """Adopt a checkpoint a resume loaded from the remote into the local tier (pull what
