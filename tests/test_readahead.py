@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import cas
+from cas.blobstore import direct
 from cas.objects import readahead
 from cas.objects.readahead import ReadAhead, advise_if_cold
 from cas.repo.config import StoreConfig
@@ -93,10 +94,14 @@ def test_a_warm_load_ends_the_advice_after_a_run_of_cached_files(tmp_path: Path)
     assert not ahead._thread.is_alive() and ahead.advised == []
 
 
+@pytest.mark.parametrize("cold_reads", [False, True])
 def test_a_large_load_from_a_cold_store_is_read_ahead_and_loads_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cold_reads: bool
 ) -> None:
+    """Where cold files are read past the page cache (``direct.read_cold``), advice would only
+    fill it: no read-ahead then."""
     monkeypatch.setattr(readahead, "MIN_BYTES", 4 * MiB)
+    monkeypatch.setattr(direct, "_cold_reads", cold_reads and direct.cold_reads())
     store = tmp_path / "store"
     repo = cas.open(store, config=StoreConfig(chunk_size=MiB))
     state = {"w": np.random.default_rng(0).standard_normal(2 * MiB // 4 * 3).astype("f4")}
@@ -115,4 +120,7 @@ def test_a_large_load_from_a_cold_store_is_read_ahead_and_loads_bit_exact(
     monkeypatch.setattr(ReadAhead, "start", recorded)
     loaded = cas.open(store).load("runs/r1/ckpt")
     assert np.array_equal(loaded["w"], state["w"])
-    assert len(advised) == 1 and len(advised[0].paths) == 6 and advised[0].advised
+    if direct.cold_reads():
+        assert advised == []
+    else:
+        assert len(advised) == 1 and len(advised[0].paths) == 6 and advised[0].advised

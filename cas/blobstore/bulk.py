@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from cas.blobstore.base import BlobStore, open_local_blob
+from cas.blobstore.direct import Staging, read_cold
 from cas.errors import BackendError, NotFound
 
 DEFAULT_WORKERS = 16
@@ -44,13 +45,20 @@ def touch_many(store: BlobStore, keys: Iterable[str], workers: int = DEFAULT_WOR
     return [key for key, ok in zip(key_list, found, strict=True) if not ok]
 
 
-def read_into(store: BlobStore, key: str, start: int, outs: Sequence[memoryview]) -> int:
+def read_into(
+    store: BlobStore,
+    key: str,
+    start: int,
+    outs: Sequence[memoryview],
+    staging: Staging | None = None,
+) -> int:
     """Fill ``outs`` in order with the blob's bytes from ``start``; return how many were read.
 
     Fewer than the buffers hold are read only at the blob's end. Where the store's blobs are
     local files this is one open and, as a rule, one ``preadv`` straight into the buffers; a
     store with a way of its own uses it (``BlobStore.read_into_buffers``); elsewhere one ranged
-    read, copied over.
+    read, copied over. Given ``staging``, a whole local file none of whose pages is cached is
+    read past the page cache into a staging buffer and copied over (``direct.read_cold``).
     """
     own = store.read_into_buffers(key, start, outs)
     if own is not None:
@@ -67,6 +75,10 @@ def read_into(store: BlobStore, key: str, start: int, outs: Sequence[memoryview]
     except OSError as e:
         raise BackendError(f"reading {path}: {e.strerror}") from e
     try:
+        if staging is not None and start == 0:
+            cold = read_cold(fd, outs, wanted, staging)
+            if cold is not None:
+                return cold
         total = 0
         while total < wanted:
             n = os.preadv(fd, _after(outs, total), start + total)

@@ -24,13 +24,18 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+
+Staging = Callable[[int], AbstractContextManager[Any]]
+"""Leases a page-aligned writable uint8 array of at least the bytes asked, rounded up to whole
+pages, or None when none is free (``StagingPool.lease_pages`` of ``cas.objects.staging``)."""
 
 ALIGN = 4096
 """Covers 512-byte and 4 KiB logical blocks, and the page size ``O_DIRECT`` asks of most filesystems."""
@@ -55,6 +60,19 @@ HUGE = 2 << 20
 _MADV_POPULATE_WRITE = 23
 """Linux 5.14's advice to fault a range in, writable, in one call (not named by ``mmap`` before
 Python 3.13); older kernels refuse it and the range is written through instead."""
+
+
+READ_MAX = (16 << 20) + ALIGN
+"""Cold reads past the page cache go up to a 16 MiB chunk with its header; a larger one is read
+through the page cache, so no read leases more of the staging pool than this."""
+COLD_SHARE = 1 / 8
+"""A file with no more than this share of its pages cached is read past the page cache. A
+direct write leaves a chunk's head (``HEAD_CACHED``) and its last page cached: five of 1,025."""
+_CACHESTAT = 451
+"""Linux 6.5's ``cachestat`` (the same number on x86-64 and arm64)."""
+_cold_reads = bool(O_DIRECT) and os.uname().machine in ("x86_64", "aarch64", "arm64")
+"""Whether a cold chunk file is read past the page cache; off once the kernel cannot say what is
+cached, or a filesystem refused ``O_DIRECT``."""
 
 
 class DirectIOUnsupported(OSError):
@@ -256,3 +274,97 @@ def _address(view: memoryview) -> int:
 
 def _aligned(size: int) -> int:
     return max(ALIGN, -(-size // ALIGN) * ALIGN)
+
+
+def cold_reads() -> bool:
+    """Whether a load reads chunk files that are not in the page cache past it
+    (``read_cold``); while it does, kernel read-ahead would only get in its way."""
+    return _cold_reads
+
+
+def cached_pages(fd: int) -> int | None:
+    """How many of ``fd``'s pages are in the page cache (``cachestat``, which reads nothing and
+    changes nothing, where a probing read would pull the page in); None where the kernel cannot
+    say, remembered."""
+    global _cold_reads
+    if not _cold_reads:
+        return None
+    syscall, whole_file, counts_type = _cachestat()
+    counts = counts_type()
+    if syscall(_CACHESTAT, fd, whole_file, counts, 0) != 0:
+        _cold_reads = False  # ENOSYS before Linux 6.5, or a sandbox's EPERM
+        return None
+    return int(counts[0])
+
+
+@cache
+def _cachestat() -> tuple[Any, Any, Any]:
+    """``syscall``, a range covering a whole file, and the type of the counts ``cachestat``
+    returns (cached, dirty, under writeback, evicted, recently evicted); made once, when first
+    asked, so ``import cas`` does not load ctypes."""
+    import ctypes
+
+    class Range(ctypes.Structure):
+        _fields_ = [("offset", ctypes.c_uint64), ("length", ctypes.c_uint64)]
+
+    return ctypes.CDLL(None, use_errno=True).syscall, ctypes.byref(Range(0, 0)), ctypes.c_uint64 * 5
+
+
+def read_cold(fd: int, outs: Sequence[memoryview], wanted: int, staging: Staging) -> int | None:
+    """Read the first ``wanted`` bytes of ``fd`` into ``outs`` past the page cache, when no more
+    than ``COLD_SHARE`` of it is cached; how many were read (fewer only at the file's end).
+    None, with nothing read, leaves the read to the page cache: more of the file is cached,
+    ``wanted`` is not
+    between ``DIRECT_MIN`` and ``READ_MAX``, the kernel cannot say, ``staging`` has no buffer
+    free, or the filesystem refuses ``O_DIRECT`` (remembered).
+
+    The file lands in an aligned staging buffer (huge pages: a direct read of 4 MiB from 4 KiB
+    pages reached a virtio disk as several requests) and is copied out with the GIL released.
+    A cold load that read through the page cache faulted in a fresh page-cache page for every
+    4 KiB it read, as costly on a VM as the tensors themselves (docs/design.md).
+    """
+    global _cold_reads
+    if not DIRECT_MIN <= wanted <= READ_MAX:
+        return None
+    cached = cached_pages(fd)
+    if cached is None or cached * ALIGN > wanted * COLD_SHARE:
+        return None
+    import fcntl
+
+    import numpy as np
+
+    with staging(wanted) as buffer:
+        if buffer is None:
+            return None
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | O_DIRECT)
+            got = _read_all(fd, memoryview(buffer)[: _aligned(wanted)])
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _cold_reads = False
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+            return None
+        got = min(got, wanted)
+        at = 0
+        for out in outs:
+            n = min(len(out), got - at)
+            if n <= 0:
+                break
+            np.frombuffer(out, dtype=np.uint8, count=n)[:] = buffer[at : at + n]
+            at += n
+        return got
+
+
+def _read_all(fd: int, into: memoryview) -> int:
+    """``preadv`` into ``into`` from offset 0 until it is full or the file ends."""
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], done)
+        done += n
+        if done < len(into) and n % ALIGN:
+            break  # the file's end: a direct read past it is short, and unaligned from there
+        if not n:
+            break
+    return done

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cas.blobstore import direct
 from cas.codecs import Codec, EncodeHints
 from cas.digest import Digest
 from cas.errors import FormatError, IntegrityError
@@ -233,8 +234,8 @@ class ChunkIO:
         """Read-ahead of the chunk files a load of ``jobs`` reads, in the readers' order, for a
         load of ``MIN_BYTES`` or more from files on this machine (``cas.objects.readahead``)."""
         blobs = self.objects.blobs
-        if blobs.local_root is None or not readahead.usable():
-            return None
+        if blobs.local_root is None or not readahead.usable() or direct.cold_reads():
+            return None  # cold files are read past the page cache, which advice would fill
         if sum(len(out) for _, out in jobs) < readahead.MIN_BYTES:
             return None
         seen: set[Digest] = set()

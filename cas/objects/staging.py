@@ -75,12 +75,34 @@ class StagingPool:
         """
         need = _capacity(nbytes)
         buffer = self._take(need)
+        assert buffer is not None  # a lease that may wait always gets one
         try:
             yield _array(buffer, nbytes)
         finally:
             self._give(buffer)
 
-    def _take(self, need: int) -> _Buffer:
+    @contextmanager
+    def lease_pages(self, nbytes: int) -> Iterator[Any]:
+        """A writable uint8 array of ``nbytes`` rounded up to whole pages, starting on a page
+        (and 2 MiB) boundary, for the ``with`` block only; None when the pool has no buffer free
+        and no room for one. This lease never waits: a reader that holds one may be a save's
+        worker, and every other lease may be held by workers waiting on it. A chunk file read
+        past the page cache lands here (``cas.blobstore.direct.read_cold``).
+        """
+        need = _capacity(nbytes)
+        buffer = self._take(need, wait=False) if need <= self.limit else None
+        if buffer is None:
+            yield None
+            return
+        try:
+            import numpy as np
+
+            whole = np.frombuffer(buffer.mapping, dtype=np.uint8)
+            yield whole[buffer.start : buffer.start + -(-nbytes // _PAGE) * _PAGE]
+        finally:
+            self._give(buffer)
+
+    def _take(self, need: int, *, wait: bool = True) -> _Buffer | None:
         with self._cond:
             while True:
                 fits = [buffer for buffer in self._free if buffer.size >= need]
@@ -96,6 +118,8 @@ class StagingPool:
                     self._held -= spare.size
                     _unmap(spare)
                     continue
+                if not wait:
+                    return None
                 self._cond.wait()
             self._held += need
             self.peak = max(self.peak, self._held)

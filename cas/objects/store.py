@@ -403,7 +403,8 @@ class ObjectStore:
         """``read_chunk_parts`` from a local file; False when the chunk must be decoded."""
         size = sum(len(out) for out in outs)
         header = memoryview(bytearray(HEADER_SIZE))
-        got = read_into(self.blobs, chunk_key(digest), 0, [header, *outs])
+        lease = staging_pool().lease_pages  # a cold file comes past the page cache through it
+        got = read_into(self.blobs, chunk_key(digest), 0, [header, *outs], lease)
         if got < HEADER_SIZE:
             raise IntegrityError(f"chunk {digest} is corrupt: shorter than its header")
         # Only the fixed fields are here; other codecs' parameters follow and are checked by
