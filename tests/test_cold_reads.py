@@ -158,3 +158,23 @@ def test_a_reader_finding_the_staging_pool_full_reads_through_the_page_cache(
         assert pages is not None and pages.ctypes.data % 4096 == 0
         assert pages.nbytes == 2 * MiB + 4096
     repo.close()
+
+
+def test_cas_direct_reads_0_reads_cold_chunks_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_reads: list[int]
+) -> None:
+    repo, state, paths = saved(tmp_path)
+    drop(paths)
+    monkeypatch.setenv(direct.ENV_READS, "0")
+    monkeypatch.setattr(direct, "_cold_reads", None)  # asked again, of the variable
+    loaded = cas.open(tmp_path / "store").load("runs/r1/ckpt")
+    assert np.array_equal(loaded["w"], state["w"]) and direct_reads == []
+    assert not direct.cold_reads()
+    for path in paths:  # read through the page cache: there now (a read that may not wait)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = path.stat().st_size
+            assert os.preadv(fd, [bytearray(size)], 0, os.RWF_NOWAIT) == size
+        finally:
+            os.close(fd)
+    repo.close()

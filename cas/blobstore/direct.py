@@ -70,9 +70,12 @@ COLD_SHARE = 1 / 8
 direct write leaves a chunk's head (``HEAD_CACHED``) and its last page cached: five of 1,025."""
 _CACHESTAT = 451
 """Linux 6.5's ``cachestat`` (the same number on x86-64 and arm64)."""
-_cold_reads = bool(O_DIRECT) and os.uname().machine in ("x86_64", "aarch64", "arm64")
-"""Whether a cold chunk file is read past the page cache; off once the kernel cannot say what is
-cached, or a filesystem refused ``O_DIRECT``."""
+ENV_READS = "CAS_DIRECT_READS"
+"""``0`` reads every chunk file through the page cache (many processes on one node loading one
+checkpoint at once: the first one's reads then serve the rest)."""
+_cold_reads: bool | None = None
+"""Whether a cold chunk file is read past the page cache: asked of ``ENV_READS`` when first
+needed; off once the kernel cannot say what is cached, or a filesystem refused ``O_DIRECT``."""
 
 
 class DirectIOUnsupported(OSError):
@@ -279,6 +282,11 @@ def _aligned(size: int) -> int:
 def cold_reads() -> bool:
     """Whether a load reads chunk files that are not in the page cache past it
     (``read_cold``); while it does, kernel read-ahead would only get in its way."""
+    global _cold_reads
+    if _cold_reads is None:
+        machine = os.uname().machine if hasattr(os, "uname") else ""
+        wanted = os.environ.get(ENV_READS, "").strip() != "0"
+        _cold_reads = wanted and bool(O_DIRECT) and machine in ("x86_64", "aarch64", "arm64")
     return _cold_reads
 
 
@@ -287,7 +295,7 @@ def cached_pages(fd: int) -> int | None:
     changes nothing, where a probing read would pull the page in); None where the kernel cannot
     say, remembered."""
     global _cold_reads
-    if not _cold_reads:
+    if not cold_reads():
         return None
     syscall, whole_file, counts_type = _cachestat()
     counts = counts_type()
