@@ -64,6 +64,12 @@ def saved(tmp_path: Path) -> tuple[cas.Repository, dict[str, np.ndarray], list[P
     return repo, state, paths
 
 
+@pytest.fixture(autouse=True)
+def forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No file read past the page cache before (an earlier test's inode may be reused)."""
+    monkeypatch.setattr(direct, "_read_once", set())
+
+
 @pytest.fixture
 def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The length of every read made past the page cache."""
@@ -177,4 +183,21 @@ def test_cas_direct_reads_0_reads_cold_chunks_through_the_page_cache(
             assert os.preadv(fd, [bytearray(size)], 0, os.RWF_NOWAIT) == size
         finally:
             os.close(fd)
+    repo.close()
+
+
+def test_a_file_read_again_goes_through_the_page_cache_and_stays_there(
+    tmp_path: Path, direct_reads: list[int]
+) -> None:
+    """Read once, past the page cache (a resume); read again, through it, so a process that
+    loads one checkpoint over and over finds it cached from then on."""
+    repo, state, paths = saved(tmp_path)
+    store = cas.open(tmp_path / "store")
+    for _ in range(3):
+        assert np.array_equal(store.load("runs/r1/ckpt")["w"], state["w"])
+    assert len(direct_reads) == 3  # the first load's three chunks only
+    assert all(cached(path) * 4096 >= path.stat().st_size for path in paths)
+    drop(paths)  # pushed out of the cache: read past it once more
+    assert np.array_equal(store.load("runs/r1/ckpt")["w"], state["w"])
+    assert len(direct_reads) == 6
     repo.close()

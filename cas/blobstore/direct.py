@@ -68,6 +68,11 @@ through the page cache, so no read leases more of the staging pool than this."""
 COLD_SHARE = 1 / 8
 """A file with no more than this share of its pages cached is read past the page cache. A
 direct write leaves a chunk's head (``HEAD_CACHED``) and its last page cached: five of 1,025."""
+READ_ONCE_LIMIT = 1 << 16
+"""Files read past the page cache that a process remembers (``_read_before``): 256 GiB of 4 MiB
+chunks, in about 6 MiB of memory."""
+_read_once: set[tuple[int, int]] = set()
+_once_lock = threading.Lock()
 _CACHESTAT = 451
 """Linux 6.5's ``cachestat`` (the same number on x86-64 and arm64)."""
 ENV_READS = "CAS_DIRECT_READS"
@@ -335,7 +340,7 @@ def read_cold(fd: int, outs: Sequence[memoryview], wanted: int, staging: Staging
     if not DIRECT_MIN <= wanted <= READ_MAX:
         return None
     cached = cached_pages(fd)
-    if cached is None or cached * ALIGN > wanted * COLD_SHARE:
+    if cached is None or cached * ALIGN > wanted * COLD_SHARE or _read_before(fd):
         return None
     import fcntl
 
@@ -363,6 +368,24 @@ def read_cold(fd: int, outs: Sequence[memoryview], wanted: int, staging: Staging
             np.frombuffer(out, dtype=np.uint8, count=n)[:] = buffer[at : at + n]
             at += n
         return got
+
+
+def _read_before(fd: int) -> bool:
+    """Whether this process read ``fd``'s file past the page cache before, and has not since
+    read it through the cache; it is remembered either way. A file read once is read past the
+    page cache, one read again goes through it, so the reads after find it there: a resume reads
+    a checkpoint once, a process that loads one twice will likely load it again (the page
+    cache's own rule for what to keep: a page touched twice)."""
+    stat = os.fstat(fd)
+    file = (stat.st_dev, stat.st_ino)
+    with _once_lock:
+        if file in _read_once:
+            _read_once.discard(file)
+            return True
+        if len(_read_once) >= READ_ONCE_LIMIT:
+            _read_once.clear()  # forgetting costs a file one more read past the cache
+        _read_once.add(file)
+        return False
 
 
 def _read_all(fd: int, into: memoryview) -> int:
