@@ -42,8 +42,12 @@ def test_the_core_benchmark_reports_every_peer_the_floor_and_cas_put_in_one_run(
         "first_save_vs_torch_save_throughput",
         "resave10_vs_torch_save_time",
         "load_vs_torch_load_speed",
+        "cold_load_vs_torch_load_speed",
     }
+    assert set(core["cold_load_s"]) == {"torch.save", "safetensors", "dcp", "cas"}
+    assert all(len(times) >= 1 for times in core["cold_load_rounds_s"].values())
     assert "plain durable writes of the same bytes" in run.stdout
+    assert "cold load of each" in run.stdout
 
 
 def test_the_write_shapes_benchmark_reports_every_shape_beside_cas(tmp_path: Path) -> None:
