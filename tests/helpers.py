@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,16 @@ from cas.repo.config import StoreConfig
 def small_chunk_repo(root: Path, chunk_size: int = 64 << 10, **kw: Any) -> cas.Repository:
     """A local store with small chunks so small tensors still span several chunks."""
     return cas.open(root, config=StoreConfig(chunk_size=chunk_size, inline_max=256, **kw))
+
+
+def uncache(path: Path) -> None:
+    """Write ``path`` out and drop its pages from the page cache, as memory pressure would."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def chunk_files(repo: cas.Repository) -> set[str]:

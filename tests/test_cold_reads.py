@@ -21,7 +21,7 @@ from cas.blobstore import direct
 from cas.errors import CASError
 from cas.objects.staging import StagingPool
 from cas.repo.config import StoreConfig
-from tests.helpers import ref_chunk_paths
+from tests.helpers import ref_chunk_paths, uncache
 
 MiB = 1 << 20
 
@@ -44,12 +44,7 @@ def cached(path: Path) -> int:
 def drop(paths: list[Path]) -> None:
     """Take every page of ``paths`` out of the page cache (skip where it cannot be done)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        uncache(path)
     if any(cached(path) for path in paths):
         pytest.skip("this filesystem keeps a file's pages cached")
 

@@ -16,6 +16,7 @@ from cas.blobstore import direct
 from cas.objects import readahead
 from cas.objects.readahead import ReadAhead, advise_if_cold
 from cas.repo.config import StoreConfig
+from tests.helpers import uncache
 
 pytestmark = pytest.mark.skipif(not readahead.usable(), reason="Linux only (RWF_NOWAIT)")
 
@@ -30,8 +31,8 @@ def _cold_file(path: Path, nbytes: int) -> Path:
     for attempt in range(5):  # a page still in another CPU's LRU batch is not dropped at once
         canary = path.with_name(f"{path.name}.canary{attempt}")
         canary.write_bytes(os.urandom(nbytes))
-        _drop(canary)
-        _drop(path)
+        uncache(canary)
+        uncache(path)
         fd = os.open(canary, os.O_RDONLY)
         try:
             if not readahead._cached(fd, nbytes - 4096):
@@ -40,15 +41,6 @@ def _cold_file(path: Path, nbytes: int) -> Path:
             os.close(fd)
         time.sleep(0.05)
     pytest.skip("this filesystem keeps a file's pages cached")
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def test_a_cold_file_is_advised_and_a_cached_one_is_left_alone(tmp_path: Path) -> None:
@@ -108,7 +100,7 @@ def test_a_large_load_from_a_cold_store_is_read_ahead_and_loads_bit_exact(
     repo.save(state, "runs/r1/ckpt")
     for path in (store / "chunks").rglob("*"):
         if path.is_file():
-            _drop(path)
+            uncache(path)
     _cold_file(tmp_path / "canary", MiB)  # skips where pages cannot be dropped
     advised: list[ReadAhead] = []
     start = ReadAhead.start
