@@ -57,8 +57,8 @@ def read_into(
     Fewer than the buffers hold are read only at the blob's end. Where the store's blobs are
     local files this is one open and, as a rule, one ``preadv`` straight into the buffers; a
     store with a way of its own uses it (``BlobStore.read_into_buffers``); elsewhere one ranged
-    read, copied over. Given ``staging``, a whole local file none of whose pages is cached is
-    read past the page cache into a staging buffer and copied over (``direct.read_cold``).
+    read, copied over. Given ``staging``, a whole local file that is not in the page cache is
+    read past it into a staging buffer and copied over (``direct.read_cold`` says when).
     """
     own = store.read_into_buffers(key, start, outs)
     if own is not None:

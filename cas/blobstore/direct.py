@@ -327,9 +327,9 @@ def read_cold(fd: int, outs: Sequence[memoryview], wanted: int, staging: Staging
     """Read the first ``wanted`` bytes of ``fd`` into ``outs`` past the page cache, when no more
     than ``COLD_SHARE`` of it is cached; how many were read (fewer only at the file's end).
     None, with nothing read, leaves the read to the page cache: more of the file is cached,
-    ``wanted`` is not
-    between ``DIRECT_MIN`` and ``READ_MAX``, the kernel cannot say, ``staging`` has no buffer
-    free, or the filesystem refuses ``O_DIRECT`` (remembered).
+    ``wanted`` is not between ``DIRECT_MIN`` and ``READ_MAX``, the kernel cannot say,
+    ``staging`` has no buffer free, this process read the file past the cache before
+    (``_read_before``), or the filesystem refuses ``O_DIRECT`` (remembered).
 
     The file lands in an aligned staging buffer (huge pages: a direct read of 4 MiB from 4 KiB
     pages reached a virtio disk as several requests) and is copied out with the GIL released.
@@ -340,14 +340,14 @@ def read_cold(fd: int, outs: Sequence[memoryview], wanted: int, staging: Staging
     if not DIRECT_MIN <= wanted <= READ_MAX:
         return None
     cached = cached_pages(fd)
-    if cached is None or cached * ALIGN > wanted * COLD_SHARE or _read_before(fd):
+    if cached is None or cached * ALIGN > wanted * COLD_SHARE:
         return None
     import fcntl
 
     import numpy as np
 
     with staging(wanted) as buffer:
-        if buffer is None:
+        if buffer is None or _read_before(fd):
             return None
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:

@@ -12,7 +12,9 @@ its last page (``RWF_NOWAIT``) says whether it is there.
 
 Where cold chunk files are read past the page cache (``cas.blobstore.direct.read_cold``: Linux
 6.5 and on, unless ``CAS_DIRECT_READS=0``), no advice is given: it would fill the page cache
-those reads keep out of. The advice runs on a thread of its own, at most ``window`` bytes ahead of what the readers have
+those reads keep out of.
+
+The advice runs on a thread of its own, at most ``window`` bytes ahead of what the readers have
 read, so a load much larger than the page cache does not evict what it is about to read. It only
 ever advises; every byte is still read and checked by the readers.
 """
