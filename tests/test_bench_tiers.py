@@ -40,4 +40,5 @@ def test_quick_tiers_bench_measures_every_peer_against_its_own_seaweed(tmp_path:
         "one_thread_loop_stall_tiered_over_local_le_1_05",
         "spare_core_loop_stall_tiered_over_local_le_1_05",
         "bytes_sent_over_full_le_0_15", "drain_over_boto3_ge_0_9", "resume_empty_le_boto3",
+        "resume_new_process_empty_le_boto3",
     }  # fmt: skip
