@@ -84,15 +84,15 @@ def test_a_load_right_after_a_save_reads_past_the_page_cache_bit_exact(
     tmp_path: Path, direct_reads: list[int]
 ) -> None:
     repo, state, paths = saved(tmp_path)
-    before = [cached(path) for path in paths]
-    assert all(
-        pages * 4096 <= path.stat().st_size * direct.COLD_SHARE
-        for pages, path in zip(before, paths, strict=True)
-    )  # a direct write leaves only its head cached
+
+    def mostly_uncached() -> bool:
+        return all(cached(path) * 4096 <= path.stat().st_size * direct.COLD_SHARE for path in paths)
+
+    assert mostly_uncached()  # a direct write leaves only its head (read back) cached
     loaded = cas.open(tmp_path / "store").load("runs/r1/ckpt")
     assert np.array_equal(loaded["w"], state["w"])
     assert sorted(direct_reads) == sorted(path.stat().st_size for path in paths)
-    assert [cached(path) for path in paths] == before  # the page cache did not grow
+    assert mostly_uncached()  # the load did not fill the page cache
     repo.close()
 
 
