@@ -19,6 +19,8 @@ import pytest
 import cas
 from cas.blobstore import direct
 from cas.errors import CASError
+from cas.objects import readahead
+from cas.objects.readahead import ReadAhead
 from cas.objects.staging import StagingPool
 from cas.repo.config import StoreConfig
 from tests.helpers import ref_chunk_paths, uncache
@@ -195,4 +197,26 @@ def test_a_file_read_again_goes_through_the_page_cache_and_stays_there(
     drop(paths)  # pushed out of the cache: read past it once more
     assert np.array_equal(store.load("runs/r1/ckpt")["w"], state["w"])
     assert len(direct_reads) == 6
+    repo.close()
+
+
+def test_a_kernel_without_cachestat_reads_through_the_page_cache_with_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_reads: list[int]
+) -> None:
+    repo, state, paths = saved(tmp_path)
+    drop(paths)
+    monkeypatch.setattr(direct, "_CACHESTAT", 99_999)  # no such call: ENOSYS, as before 6.5
+    monkeypatch.setattr(direct, "_cold_reads", None)
+    monkeypatch.setattr(readahead, "MIN_BYTES", MiB)
+    started: list[ReadAhead] = []
+    start = ReadAhead.start
+
+    def recorded(self: ReadAhead) -> ReadAhead:
+        started.append(self)
+        return start(self)
+
+    monkeypatch.setattr(ReadAhead, "start", recorded)
+    loaded = cas.open(tmp_path / "store").load("runs/r1/ckpt")
+    assert np.array_equal(loaded["w"], state["w"])
+    assert not direct.cold_reads() and direct_reads == [] and len(started) == 1
     repo.close()

@@ -292,21 +292,31 @@ def cold_reads() -> bool:
         machine = os.uname().machine if hasattr(os, "uname") else ""
         wanted = os.environ.get(ENV_READS, "").strip() != "0"
         _cold_reads = wanted and bool(O_DIRECT) and machine in ("x86_64", "aarch64", "arm64")
+        if _cold_reads:  # ask once, of this module's own file, whether the kernel can say
+            try:
+                fd = os.open(__file__, os.O_RDONLY)
+            except OSError:
+                _cold_reads = False
+            else:
+                try:
+                    _cold_reads = _cached_pages(fd) is not None
+                finally:
+                    os.close(fd)
     return _cold_reads
 
 
 def cached_pages(fd: int) -> int | None:
     """How many of ``fd``'s pages are in the page cache (``cachestat``, which reads nothing and
     changes nothing, where a probing read would pull the page in); None where the kernel cannot
-    say, remembered."""
-    global _cold_reads
-    if not cold_reads():
-        return None
+    say (``cold_reads`` is then off)."""
+    return _cached_pages(fd) if cold_reads() else None
+
+
+def _cached_pages(fd: int) -> int | None:
     syscall, whole_file, counts_type = _cachestat()
     counts = counts_type()
     if syscall(_CACHESTAT, fd, whole_file, counts, 0) != 0:
-        _cold_reads = False  # ENOSYS before Linux 6.5, or a sandbox's EPERM
-        return None
+        return None  # ENOSYS before Linux 6.5, or a sandbox's EPERM
     return int(counts[0])
 
 
