@@ -25,17 +25,24 @@ MiB = 1 << 20
 
 def _cold_file(path: Path, nbytes: int) -> Path:
     """A file of ``nbytes`` on disk and out of the page cache; skips where pages cannot be
-    dropped (tmpfs keeps them: there is no disk to read ahead from). The check probes a canary
-    beside it: a probe that misses starts the kernel reading that page in."""
+    dropped (tmpfs keeps them: there is no disk to read ahead from). Where the kernel counts a
+    file's cached pages without reading (``cachestat``), the file itself is asked; elsewhere a
+    canary beside it is probed, since a probe that misses starts the kernel reading that page
+    in. A file was once taken as cold by its canary and found cached by the advice."""
     path.write_bytes(os.urandom(nbytes))
     for attempt in range(5):  # a page still in another CPU's LRU batch is not dropped at once
         canary = path.with_name(f"{path.name}.canary{attempt}")
         canary.write_bytes(os.urandom(nbytes))
         uncache(canary)
         uncache(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            counted = direct._cached_pages(fd) if direct.cold_reads() else None
+        finally:
+            os.close(fd)
         fd = os.open(canary, os.O_RDONLY)
         try:
-            if not readahead._cached(fd, nbytes - 4096):
+            if counted in (0, None) and not readahead._cached(fd, nbytes - 4096):
                 return path
         finally:
             os.close(fd)
