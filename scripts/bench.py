@@ -548,8 +548,8 @@ def print_core(results: dict[str, Any]) -> None:
         f"\n== core: {size:.2f} GiB state dict, {results['tensors']} tensors; durable (fsync) writes"
     )
     print(
-        f"   re-save changes {share:.0%} of the bytes; loads touch every page, and the peers' files"
-        " are in the page cache (cas reads chunk files that are not past it)"
+        f"   re-save changes {share:.0%} of the bytes; loads touch every page; the peers' files"
+        " are in the page cache, and cas reads a chunk file that is not past it the first time"
     )
     print(f"{'writer':<14}{'save s':>9}{'GiB/s':>8}{'resave10% s':>13}{'load s':>9}{'GiB/s':>8}")
     for name, row in results["rows"].items():
