@@ -37,7 +37,7 @@ def _cold_file(path: Path, nbytes: int) -> Path:
         uncache(path)
         fd = os.open(path, os.O_RDONLY)
         try:
-            counted = direct._cached_pages(fd) if direct.cold_reads() else None
+            counted = direct.cached_pages(fd)
         finally:
             os.close(fd)
         fd = os.open(canary, os.O_RDONLY)

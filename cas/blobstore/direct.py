@@ -404,8 +404,6 @@ def _read_all(fd: int, into: memoryview) -> int:
     while done < len(into):
         n = os.preadv(fd, [into[done:]], done)
         done += n
-        if done < len(into) and n % ALIGN:
-            break  # the file's end: a direct read past it is short, and unaligned from there
-        if not n:
-            break
+        if not n or n % ALIGN:
+            break  # the file's end: a direct read there is short, and unaligned after it
     return done
