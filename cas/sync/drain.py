@@ -160,23 +160,44 @@ def drain_checkpoint(
         )
         report = DrainReport(ref, moved)
         if latest is not None:
-            report.latest = advance_latest(src, dst, latest)
+            there = (
+                {str(u.name): u.new for u in moved.refs if u.status != "conflict"} if moved else {}
+            )
+            report.latest = advance_latest(src, dst, latest, waiting=hold_back, there=there)
         report.pointers = push_pointers(src, dst, pointers, hold_back, jobs)
     return report
 
 
-def advance_latest(src: Stores, dst: Stores, latest: str) -> RefUpdate | None:
+def advance_latest(
+    src: Stores,
+    dst: Stores,
+    latest: str,
+    *,
+    waiting: Collection[Digest] = (),
+    there: Mapping[str, Digest] | None = None,
+) -> RefUpdate | None:
     """Point the remote's ``latest`` at the newest target of the local one's history whose
-    checkpoint ref (the event's message) names the same manifest on ``dst``; None if it stays."""
+    checkpoint ref (the event's message) names the same manifest on ``dst``; None if it stays.
+
+    What the caller knows is not asked of ``dst``: a target ``waiting`` to be drained is not
+    there yet (the event is passed over), and ``there`` names checkpoint refs the caller has just
+    pushed (ref -> target). Without that, each drain of a backlog read the remote ref of every
+    newer checkpoint still waiting: quadratic in the backlog after S3 came back.
+    """
     local = src.refs.try_get(latest)
     if local is None:
         return None
     remote = dst.refs.try_get(latest)
     current = remote.target if remote is not None else None
+    pushed = there or {}
     for depth, event in enumerate(src.refs.events(local)):
         if depth >= LATEST_DEPTH or event.target == current:
             return None
-        if not event.message or not _holds(dst, event.message, event.target):
+        if not event.message or event.target in waiting:
+            continue
+        if pushed.get(event.message) != event.target and not _holds(
+            dst, event.message, event.target
+        ):
             continue
         dst.writers.check()  # fenced: a drain whose lease ran out moves no ref
         try:
