@@ -370,9 +370,11 @@ def resume(
     # source checkout run where PYTHONDONTWRITEBYTECODE is set would be compiled by every child.
     compileall.compile_dir(str(Path(cas.__file__).parent), quiet=1)
 
-    def in_new_process(*args: str) -> float:
+    def in_new_process(*args: str) -> tuple[float, float]:
         """A resume in a process of its own (``resume_child.py``), from starting it to its
-        first step: the interpreter, imports and the S3 client included, as on a new node."""
+        first step: the interpreter, imports and the S3 client included, as on a new node.
+        Beside it, the part after the child built its model: the same work in every child
+        before that (the interpreter, torch, the model) varies by +-0.1 s from run to run."""
         start = time.perf_counter()
         child = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve().parent / "resume_child.py"), *args],
@@ -382,13 +384,15 @@ def resume(
         line = child.stdout.readline()
         elapsed = time.perf_counter() - start
         child.communicate(timeout=300)
-        if line.strip() != "stepped" or child.returncode:
+        word, *clocks = line.split() or [""]
+        if word != "stepped" or len(clocks) != 2 or child.returncode:
             raise RuntimeError(f"resume_child.py {args[0]} failed ({child.returncode})")
-        return elapsed
+        built, stepped = map(float, clocks)
+        return elapsed, stepped - built
 
     size = next(name for name, value in SIZES.items() if value == loop.size)
 
-    def cas_in_new_process(cached: bool) -> float:
+    def cas_in_new_process(cached: bool) -> tuple[float, float]:
         return in_new_process("cas", size, str(local_store(cached)), url)
 
     runs: dict[str, list[float]] = {
@@ -400,6 +404,9 @@ def resume(
         "new_process_cas_empty_machine_s": [],
         "new_process_cas_base_cached_s": [],
         "new_process_boto3_pt_torch_load_s": [],
+        "new_process_cas_empty_machine_after_model_s": [],
+        "new_process_cas_base_cached_after_model_s": [],
+        "new_process_boto3_pt_torch_load_after_model_s": [],
     }
     for _ in range(repeats):
         runs["cas_empty_machine_s"].append(from_cas(False))
@@ -407,14 +414,16 @@ def resume(
         runs["boto3_pt_torch_load_s"].append(from_pt())
         runs["boto3_pt_torch_load_with_client_s"].append(from_pt(own_client=True))
         runs["cas_load_from_remote_only_s"].append(from_remote_only())
-    kinds: list[tuple[str, Callable[[], float]]] = [
+    kinds: list[tuple[str, Callable[[], tuple[float, float]]]] = [
         ("new_process_cas_empty_machine_s", lambda: cas_in_new_process(False)),
         ("new_process_cas_base_cached_s", lambda: cas_in_new_process(True)),
         ("new_process_boto3_pt_torch_load_s", lambda: in_new_process("boto3", size, BUCKET, key)),
     ]
     for turn in range(processes):  # in rotating order: none always starts first
         for name, measure in kinds[turn % 3 :] + kinds[: turn % 3]:
-            runs[name].append(measure())
+            whole, after_model = measure()
+            runs[name].append(whole)
+            runs[name.removesuffix("_s") + "_after_model_s"].append(after_model)
     rows: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
     rows["pt_bytes"] = len(blob.getvalue())
     # The target's figure: boto3's client made before the clock starts (cas opens its remote,
@@ -432,6 +441,13 @@ def resume(
     rows["new_process_cached_over_boto3"] = (
         rows["new_process_cas_base_cached_s"] / rows["new_process_boto3_pt_torch_load_s"]
     )
+    # The same, counting only what follows the model's construction in each child.
+    for kind in ("empty", "cached"):
+        cas_kind = "empty_machine" if kind == "empty" else "base_cached"
+        rows[f"new_process_{kind}_after_model_over_boto3"] = (
+            rows[f"new_process_cas_{cas_kind}_after_model_s"]
+            / rows["new_process_boto3_pt_torch_load_after_model_s"]
+        )
     return rows
 
 

@@ -32,8 +32,13 @@ def test_quick_tiers_bench_measures_every_peer_against_its_own_seaweed(tmp_path:
     resume = sent["resume"]
     assert resume["cas_empty_machine_s"] > 0 and resume["boto3_pt_torch_load_s"] > 0
     # The same resumes in processes of their own (resume_child.py), each to its first step.
-    for kind in ("cas_empty_machine_s", "cas_base_cached_s", "boto3_pt_torch_load_s"):
-        assert resume[f"new_process_{kind}"] > 0
+    for kind in ("cas_empty_machine", "cas_base_cached", "boto3_pt_torch_load"):
+        whole, after_model = (
+            resume[f"new_process_{kind}_s"],
+            resume[f"new_process_{kind}_after_model_s"],
+        )
+        assert 0 < after_model < whole  # the child's own clocks: its resume after its model
+    assert resume["new_process_empty_after_model_over_boto3"] > 0
     assert results["throughput"]["cas_drain_MBps"] > 0
     assert set(results["targets"]) == {
         "stall_tiered_over_local_le_1_05", "stall_tiered_at_or_below_dcp",
