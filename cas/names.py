@@ -23,8 +23,7 @@ def parse_ref_name(text: str) -> RefName:
         raise InvalidName("ref name is empty")
     if "\x00" in text:
         raise InvalidName(f"ref name {text!r} contains a NUL byte")
-    if text.startswith("/"):
-        raise InvalidName(f"ref name {text!r} is absolute; refs are relative like 'runs/r1/ckpt'")
+    _refuse_url_or_path(text, "ref name")
     if len(text) > MAX_REF_LENGTH:
         raise InvalidName(f"ref name is longer than {MAX_REF_LENGTH} characters")
     for segment in text.split("/"):
@@ -40,6 +39,24 @@ def parse_ref_name(text: str) -> RefName:
                 "and must start with a letter, digit or _"
             )
     return RefName(text)
+
+
+def check_selector(text: str) -> str:
+    """``text`` if it can select refs (a prefix, exact name or glob, or "" for all), else
+    InvalidName: a URL or an absolute path selects nothing, and a listing that came back empty
+    would not say why."""
+    _refuse_url_or_path(text, "ref selector")
+    return text
+
+
+def _refuse_url_or_path(text: str, what: str) -> None:
+    if "://" in text:
+        raise InvalidName(
+            f"{what} {text!r} is a URL: open the store at the URL (cas --store URL, "
+            "cas.open(URL)) and name refs within it, like 'runs/r1/ckpt'"
+        )
+    if text.startswith("/"):
+        raise InvalidName(f"{what} {text!r} is absolute; refs are relative like 'runs/r1/ckpt'")
 
 
 def is_pattern(text: str) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+import torch
 from click.testing import CliRunner
 from fsspec.implementations.local import LocalFileSystem
 
@@ -195,3 +196,26 @@ def test_get_replaces_a_file_link_inside_its_destination_and_never_writes_throug
     assert not (dest / "model.bin").is_symlink()
     assert (dest / "model.bin").read_bytes() == b"model"
     assert not (dest / "sub" / "notes.txt.sha256").is_symlink()
+
+
+@pytest.mark.parametrize("selector", ["s3://bucket/ckpts/runs/r1", "/data/cas/runs/r1"])
+def test_listing_with_a_url_or_a_path_for_a_prefix_fails_saying_why(
+    tmp_path: Path, selector: str
+) -> None:
+    """`cas ls s3://bucket/prefix/runs/r1`, as `aws s3 ls` takes it, listed nothing and exited
+    0: the URL was taken for a ref prefix no ref has. Now it is refused with the way to say it."""
+    store = tmp_path / "store"
+    repo = cas.open(store)
+    repo.save({"w": torch.ones(3)}, "runs/r1/ckpt")
+    with pytest.raises(cas.InvalidName, match=r"is a URL|is absolute"):
+        repo.refs(selector)
+    result = CliRunner().invoke(cli, ["--store", str(store), "ls", selector])
+    assert result.exit_code == 1
+    assert "cas --store URL" in result.output or "is absolute" in result.output
+    assert _cas(store, "ls", "runs/r1") == "runs/r1/ckpt\n"  # a real prefix still lists
+    assert _cas(store, "ls", "runs/*/ckpt") == "runs/r1/ckpt\n"
+
+
+def test_a_url_given_for_a_ref_name_says_to_open_the_store_at_it() -> None:
+    with pytest.raises(cas.InvalidName, match=r"is a URL: open the store at the URL"):
+        parse_ref_name("s3://bucket/ckpts/runs/r1/ckpt")

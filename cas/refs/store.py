@@ -30,7 +30,7 @@ from cas.codecs import codec_by_name
 from cas.digest import Digest, parse_digest
 from cas.errors import CASError, FormatError, NotFound, PreconditionFailed, RefConflict
 from cas.model.manifest import Manifest, decode_manifest, encode_manifest
-from cas.names import RefName, parse_ref_name, ref_matches
+from cas.names import RefName, check_selector, parse_ref_name, ref_matches
 from cas.objects.keys import ObjectKind
 from cas.objects.store import ObjectStore
 from cas.refs import fences, segments
@@ -237,6 +237,7 @@ class RefStore:
 
     @staticmethod
     def _prefix(selector: str) -> str:
+        check_selector(selector)
         return listing_prefix(selector.split("*")[0].split("?")[0].split("[")[0])
 
     def records(self, selector: str = "") -> list[RefRecord]:
