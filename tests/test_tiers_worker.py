@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import cas
+from cas.repo.repository import Repository
 from cas.training.drain_worker import ENV_MODE, InProcessRemote, WorkerRemote
 from cas.training.manager import CheckpointManager
 from cas.training.priority import ENV_BACKGROUND_CPUS, ENV_CPUS, drain_cpus
@@ -78,6 +79,39 @@ def test_the_drain_makes_its_requests_in_a_worker_process(
     assert remote.resolve("runs/r1/latest") == local.resolve("runs/r1/latest")
     assert_bit_exact(remote.load("runs/r1/latest")["state"], _weights(3))
     assert worker.poll() is not None  # closing the manager ended it
+
+
+def test_with_a_worker_the_training_process_decodes_no_manifest_to_drain(
+    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunks of each checkpoint pushed (the next drain's ``known``) come back from the
+    worker, which read them where it drained: the drain thread of the training process used to
+    decode each new manifest for them, most of its CPU per save (docs/training.md)."""
+    decoded_here: list[str] = []
+    original = Repository.manifest
+
+    def manifest(self: Repository, *args: Any, **kwargs: Any) -> Any:
+        decoded_here.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, "manifest", manifest)
+    known: list[Any] = []
+    drain = WorkerRemote.drain
+
+    def spied(self: WorkerRemote, *args: Any, **kwargs: Any) -> Any:
+        known.append(kwargs.get("known"))
+        return drain(self, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerRemote, "drain", spied)
+    local = cas.open(tmp_path / "local")
+    with CheckpointManager(local, run="r1", signals=False, remote=s3_url) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, _weights(step)).result()
+            assert mgr.tier is not None and mgr.tier.wait(60).saves == 0
+    assert "cas-drain" not in decoded_here
+    # The first drain of the run asks the remote; each later one is told the chunks before.
+    assert known[0] is None and all(k for k in known[1:]) and len(known) == 4
+    assert_bit_exact(cas.open(s3_url).load("runs/r1/latest")["state"], _weights(4))
 
 
 def test_with_cas_drain_thread_the_training_process_makes_the_requests(

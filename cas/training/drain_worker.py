@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgpack
 
@@ -44,7 +44,14 @@ from cas.retention.policy import RetentionPolicy
 from cas.sync.drain import PendingCheckpoint
 from cas.training.priority import lower_thread_priority
 
-__all__ = ["COMMAND", "InProcessRemote", "RemoteOperations", "WorkerRemote", "worker_eligible"]
+__all__ = [
+    "COMMAND",
+    "Drained",
+    "InProcessRemote",
+    "RemoteOperations",
+    "WorkerRemote",
+    "worker_eligible",
+]
 
 COMMAND = [sys.executable, "-m", "cas.training.drain_worker"]
 """How a worker is started (a test wraps it to inject faults into the worker's requests)."""
@@ -54,6 +61,14 @@ nice 5 or 10 the worker, a process of its own, loses the CPU to a loop that keep
 and drains over hundreds of steps, costing that loop more per save than at normal priority."""
 ENV_MODE = "CAS_DRAIN"
 """``process`` (the default where the stores allow it) or ``thread``."""
+
+
+class Drained(NamedTuple):
+    """What one drain call did: the bytes it sent, and the chunks of the checkpoint it pushed,
+    there on the remote now (the next drain's ``known``); None where it pushed none."""
+
+    sent: int
+    chunks: frozenset[Digest] | None
 
 
 class RemoteOperations(Protocol):
@@ -72,7 +87,7 @@ class RemoteOperations(Protocol):
         hold_back: Collection[Digest] = (),
         jobs: int = 16,
         known: Collection[Digest] | None = None,
-    ) -> int: ...
+    ) -> Drained: ...
 
     def forget(self, policy: RetentionPolicy) -> list[str]: ...
 
@@ -100,12 +115,19 @@ class InProcessRemote:
         hold_back: Collection[Digest] = (),
         jobs: int = 16,
         known: Collection[Digest] | None = None,
-    ) -> int:
+    ) -> Drained:
         report = self.local.drain_to(
             self._remote(), ref, latest=latest, pointers=pointers, hold_back=hold_back,
             jobs=jobs, known=known,
         )  # fmt: skip
-        return report.transfer.wire_bytes if report.transfer is not None else 0
+        moved = report.transfer
+        if moved is None or not moved.refs:
+            return Drained(moved.wire_bytes if moved is not None else 0, None)
+        try:  # its chunks went up before its ref, whether the ref then moved or not
+            chunks = frozenset(self.local.manifest(moved.refs[0].new).chunk_digests())
+        except CASError:  # removed here meanwhile: the next drain asks the remote instead
+            chunks = None
+        return Drained(moved.wire_bytes, chunks)
 
     def forget(self, policy: RetentionPolicy) -> list[str]:
         return list(self._remote().forget(policy).removed)
@@ -215,12 +237,12 @@ class WorkerRemote:
         hold_back: Collection[Digest] = (),
         jobs: int = 16,
         known: Collection[Digest] | None = None,
-    ) -> int:
-        sent: int = self._call(
+    ) -> Drained:
+        sent, chunks = self._call(
             "drain", ref, latest, list(pointers), list(hold_back), jobs,
             None if known is None else list(known),
         )  # fmt: skip
-        return sent
+        return Drained(sent, None if chunks is None else frozenset(map(Digest, chunks)))
 
     def forget(self, policy: RetentionPolicy) -> list[str]:
         removed: list[str] = self._call("forget", policy.to_dict())
@@ -310,10 +332,11 @@ def _answer(local: Repository, remote: Repository, op: str, args: list[Any]) -> 
         return [(p.ref, p.target, p.changed_at) for p in found], present
     if op == "drain":
         ref, latest, pointers, hold_back, jobs, known = args
-        return here.drain(
+        drained = here.drain(
             ref, latest=latest, pointers=pointers, hold_back=hold_back, jobs=jobs,
             known=None if known is None else frozenset(known),
         )  # fmt: skip
+        return drained.sent, None if drained.chunks is None else sorted(drained.chunks)
     if op == "forget":
         return here.forget(RetentionPolicy.from_dict(args[0]))
     raise ValueError(f"unknown request {op!r}")

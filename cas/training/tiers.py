@@ -398,16 +398,18 @@ class RemoteTier(RemoteResume):
                     return
             hold = {p.target for p in todo[i + 1 :]}
             known, self._known = self._known, None  # unknown again until this drain succeeds
-            sent = None
+            sent = 0
             pointed = self._pointer_targets() if not hold else None
             try:
                 with self._cond:
                     latest = self._latest_of.get(item.ref, self.latest)
-                sent = self._ops.drain(
+                # The chunks of what it pushed come back with it: read from the manifest where
+                # the drain runs (the worker, if any), not in the training process, where that
+                # decode was most of the tier's CPU per save (docs/training.md).
+                sent, self._known = self._ops.drain(
                     item.ref, latest=latest, pointers=self.pointers, hold_back=hold,
                     jobs=self.jobs, known=known,
                 )  # fmt: skip
-                self._known = self._chunks_of(item.target)
                 self._there[item.ref] = item.target
                 if pointed is not None:
                     self._pushed = pointed
@@ -421,7 +423,7 @@ class RemoteTier(RemoteResume):
                 self._pending.pop(item.ref, None)
                 self._latest_of.pop(item.ref, None)
                 self.drained += 1
-                self.sent_bytes += sent or 0
+                self.sent_bytes += sent
                 remove = item.ref in self._remove_after
                 self._remove_after.discard(item.ref)
             if remove:
@@ -447,12 +449,6 @@ class RemoteTier(RemoteResume):
         names = {latest, *(n for selector in self.pointers for n in self.local.ref_names(selector))}
         found = {name: self.local.find_ref(name) for name in sorted(names)}
         return {name: record.target if record else None for name, record in found.items()}
-
-    def _chunks_of(self, target: Digest) -> frozenset[Digest] | None:
-        try:
-            return frozenset(self.local.manifest(target).chunk_digests())
-        except CASError:
-            return None
 
     def _thin(self, pending: list[PendingCheckpoint]) -> set[str]:
         """Checkpoints to pass over for the remote: those the remote policy would not keep,
