@@ -237,8 +237,7 @@ class RefStore:
 
     @staticmethod
     def _prefix(selector: str) -> str:
-        check_selector(selector)
-        return listing_prefix(selector.split("*")[0].split("?")[0].split("[")[0])
+        return listing_prefix(check_selector(selector).split("*")[0].split("?")[0].split("[")[0])
 
     def records(self, selector: str = "") -> list[RefRecord]:
         """Records of the refs a prefix, exact name or glob selects, sorted by name; a ref
