@@ -131,3 +131,16 @@ def test_policy_set_add_clear_and_unlock_print_json(store: Path) -> None:
     assert run("policy", "clear") == {"removed": True}
     assert run("policy", "clear") == {"removed": False}
     assert run("unlock", "--yes") == {"removed": False}
+
+
+def test_get_into_a_directory_that_does_not_exist_names_the_file_asked_for(
+    store: Path, tmp_path: Path
+) -> None:
+    """The error named the hidden temp file beside the destination, not the destination."""
+    missing = tmp_path / "no-such-dir" / "w.safetensors"
+    result = _cas("--store", str(store), "get", "runs/r1/ckpt_1", str(missing))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"cas: error: FileNotFoundError: no such directory to write into: {missing}"
+    )
+    assert not missing.parent.exists()

@@ -16,6 +16,7 @@ which ``transformers`` requires to load a safetensors file. numpy arrays become 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -225,7 +226,10 @@ def _atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) ->
     # rename never write through a link planted under either name.
     temp = os.path.join(directory, f".cas-{secrets.token_hex(8)}.tmp")
     # Created by os.open with 0o666 so the umask applies, unlike mkstemp's 0o600.
-    os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+    try:
+        os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+    except FileNotFoundError:  # named for the file asked for, not the temp file beside it
+        raise FileNotFoundError(errno.ENOENT, "no such directory to write into", final) from None
     try:
         write(temp)
         _fsync(temp, os.O_RDONLY)
