@@ -267,8 +267,9 @@ def test_a_backlog_drained_after_an_outage_asks_the_remote_for_each_checkpoint_t
             mgr.save(step, _state(step)).result()
         assert mgr.tier.wait(0.2).saves == 6  # nothing reached the remote
         down[0] = False
-        deadline = time.monotonic() + 30  # wait returns at once while the last attempt's error
-        while mgr.tier.wait(1).saves and time.monotonic() < deadline:  # stands: poll
+        # ``wait`` returns at once while the last attempt's error stands: poll until caught up.
+        deadline = time.monotonic() + 30
+        while mgr.tier.wait(1).saves and time.monotonic() < deadline:
             time.sleep(0.02)
         assert mgr.tier.wait(30).saves == 0
     scans = {name: n for name, n in asked.items() if "ckpt_" in name}
