@@ -93,6 +93,9 @@ class TransferReport:
     lookup: str = "has"
     """How missing chunks were found: ``has`` (one request per key) or ``list`` (by prefix)."""
     seconds: float = 0.0
+    chunks: frozenset[Digest] = frozenset()
+    """Every chunk the copied manifests name, on the destination once the transfer returns: the
+    next drain's ``known``. Not in ``as_dict``: a push of many checkpoints names many."""
 
     @property
     def refs_updated(self) -> int:
@@ -257,6 +260,7 @@ def _transfer(
         else:
             report.manifests_skipped += 1
     dst.objects.sync()
+    report.chunks = frozenset(wanted)
 
     dst.writers.check()
     for item in selected:

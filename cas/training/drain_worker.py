@@ -121,13 +121,9 @@ class InProcessRemote:
             jobs=jobs, known=known,
         )  # fmt: skip
         moved = report.transfer
-        if moved is None or not moved.refs:
-            return Drained(moved.wire_bytes if moved is not None else 0, None)
-        try:  # its chunks went up before its ref, whether the ref then moved or not
-            chunks = frozenset(self.local.manifest(moved.refs[0].new).chunk_digests())
-        except CASError:  # removed here meanwhile: the next drain asks the remote instead
-            chunks = None
-        return Drained(moved.wire_bytes, chunks)
+        if moved is None:
+            return Drained(0, None)
+        return Drained(moved.wire_bytes, moved.chunks or None)
 
     def forget(self, policy: RetentionPolicy) -> list[str]:
         return list(self._remote().forget(policy).removed)

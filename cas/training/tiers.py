@@ -403,9 +403,9 @@ class RemoteTier(RemoteResume):
             try:
                 with self._cond:
                     latest = self._latest_of.get(item.ref, self.latest)
-                # The chunks of what it pushed come back with it: read from the manifest where
-                # the drain runs (the worker, if any), not in the training process, where that
-                # decode was most of the tier's CPU per save (docs/training.md).
+                # The chunks of what it pushed come back with it (the transfer's own list): the
+                # training process decodes no manifest for them, which was most of the tier's CPU
+                # per save (docs/training.md).
                 sent, self._known = self._ops.drain(
                     item.ref, latest=latest, pointers=self.pointers, hold_back=hold,
                     jobs=self.jobs, known=known,
