@@ -157,7 +157,10 @@ class SeaweedServer:
             # Small volumes: each bucket preallocates a handful, and tests make few bytes.
             "-master.volumeSizeLimitMB=256",
             "-master.electionTimeout=1s",
-            "-volume.max=0",
+            # A fixed volume count, not 0 ("free disk / volume size"): on a disk with 1.5 GB free
+            # that allowed 5 volumes, one per bucket, and the sixth bucket's writes failed with
+            # 500 InternalError. Volumes are not preallocated, so 1000 costs no disk.
+            "-volume.max=1000",
             f"-volume.port={p.volume}",
             f"-volume.port.grpc={p.volume_grpc}",
             "-volume.preStopSeconds=0",

@@ -1,0 +1,56 @@
+"""The SeaweedFS fixture on a machine with little free disk: every bucket can still be written.
+
+``weed server -volume.max=0`` sizes its volume count by the free disk (free / volume size limit).
+On a CI machine with a couple of GB free that was a handful of volumes, one per bucket, and once
+they were taken every write to a new bucket failed with 500 InternalError: 24 S3 tests failed at
+once. The server here runs on a 1 GiB tmpfs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cas.testing.seaweed import SeaweedServer
+from tests.prerequisites import require, require_weed
+
+BUCKETS = 12
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 GiB tmpfs mounted under ``tmp_path`` (needs root, as CI has)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0:
+        require("mounting a small tmpfs needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    require(None if mounted.returncode == 0 else f"mount tmpfs failed: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "--lazy", str(where)], check=False)
+
+
+def test_a_server_on_a_disk_with_1_gib_free_takes_writes_in_a_dozen_buckets(
+    small_disk: Path,
+) -> None:
+    require_weed()
+    with SeaweedServer(small_disk / "weed") as server:
+        client = server.client()
+        written = []
+        for i in range(BUCKETS):
+            bucket = f"bucket-{i:02d}"
+            client.create_bucket(Bucket=bucket)
+            client.put_object(Bucket=bucket, Key="k", Body=b"x", IfNoneMatch="*")
+            written.append(client.get_object(Bucket=bucket, Key="k")["Body"].read())
+        assert written == [b"x"] * BUCKETS
