@@ -14,13 +14,14 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import cas
 from cas.repo.config import StoreConfig
 from cas.retention.policy import RetentionPolicy, Rule
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG = StoreConfig(chunk_size=16 << 10, inline_max=64)
 EVERY_FOURTH = "runs/*/phase*/ckpt_*[048]"
@@ -33,6 +34,8 @@ REMOTE_POLICY = RetentionPolicy(
 
 def weights(step: int) -> dict[str, torch.Tensor]:
     """The state saved at ``step``: a frozen backbone and a head that changes every step."""
+    import torch  # here, not at the top: the drain workers this module runs never import it
+
     head = torch.randn(8192, generator=torch.Generator().manual_seed(step))
     return {"backbone": torch.ones(32768), "head": head}
 
