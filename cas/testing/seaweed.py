@@ -161,6 +161,9 @@ class SeaweedServer:
             # that allowed 5 volumes, one per bucket, and the sixth bucket's writes failed with
             # 500 InternalError. Volumes are not preallocated, so 1000 costs no disk.
             "-volume.max=1000",
+            # Read-only below 4 MiB free, not below 1% of the disk (the default): a throwaway
+            # server on a big disk that is 99% full stopped answering writes at all.
+            "-volume.minFreeSpace=4MiB",
             f"-volume.port={p.volume}",
             f"-volume.port.grpc={p.volume_grpc}",
             "-volume.preStopSeconds=0",
