@@ -141,7 +141,14 @@ def test_a_filesystem_refusing_direct_reads_is_read_through_the_page_cache_from_
     monkeypatch.setattr(direct, "_cold_reads", True)  # restored after the test
     loaded = cas.open(tmp_path / "store").load("runs/r1/ckpt")
     assert np.array_equal(loaded["w"], state["w"])
-    assert len(refused) == 1 and not direct.cold_reads()  # asked once, then never again
+    # Asked by the readers that met a cold chunk before the first refusal was remembered (one,
+    # or two at once on a busy machine), then never again: the next cold load asks nothing.
+    first = len(refused)
+    assert 1 <= first <= (os.cpu_count() or 1) + 1 and not direct.cold_reads()
+    for path in paths:
+        uncache(path)
+    again = cas.open(tmp_path / "store").load("runs/r1/ckpt")
+    assert np.array_equal(again["w"], state["w"]) and len(refused) == first
     repo.close()
 
 
