@@ -282,7 +282,7 @@ def _pin_process(pid: int | None, cpus: set[int]) -> None:
 
 
 def finetune(
-    size: dict[str, int], root: Path, saves: int, steps: int, processes: int = 5
+    size: dict[str, int], root: Path, saves: int, steps: int, processes: int = 5, repeats: int = 5
 ) -> dict[str, Any]:
     loop = Loop(size, frozen_backbone=True)
     url = s3_url("finetune")
@@ -305,7 +305,7 @@ def finetune(
         "later_checkpoint_sent_bytes_median": statistics.median(sent[1:]),
         "sent_over_full": statistics.median(later),
     }
-    rows["resume"] = resume(loop, url, root, processes=processes)
+    rows["resume"] = resume(loop, url, root, repeats=repeats, processes=processes)
     return rows
 
 
@@ -600,6 +600,7 @@ def run(quick: bool, root: Path) -> dict[str, Any]:
                 saves=3 if quick else 5,
                 steps=2 if quick else 3,
                 processes=1 if quick else 5,
+                repeats=2 if quick else 5,
             ),
             # Five repeats: with two, one slow drain halved the median (0.32x in one run).
             "throughput": throughput(root, 2 if quick else 32, 1 if quick else 5),

@@ -65,12 +65,14 @@ def private_seaweed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """An 8 MiB tmpfs, so writes meet ENOSPC (mounting needs root)."""
+def small_disk(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """An 8 MiB tmpfs, so writes meet ENOSPC (mounting needs root); another size with
+    ``@pytest.mark.parametrize("small_disk", ["1g"], indirect=True)``."""
+    size = getattr(request, "param", "8m")
     mount_point = tmp_path / "small"
     mount_point.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
         capture_output=True,
         text=True,
     )
@@ -80,3 +82,28 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+SLOWEST_FIRST = (
+    "test_tiers_faults.py",
+    "test_bench_tiers.py",
+    "test_crash_safety.py",
+    "test_gc_s3_races.py",
+    "test_faults_anywhere.py",
+    "test_signals.py",
+    "test_gc_s3.py",
+    "test_hostile_stores.py",
+    "test_liveness_s3.py",
+    "test_demo.py",
+    "test_bench_core.py",
+)
+"""Test files that take a minute or more of a worker (``--durations``), started before the rest.
+The workers take whole files (``--dist loadfile``) in collection order; collected
+alphabetically, the slowest file began near the end and ran on alone for minutes."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of ``SLOWEST_FIRST`` first, in that order; every other test keeps its place,
+    and each file's tests their order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -10,38 +10,17 @@ every write hung until the client's read timeout. The server here runs on a 1 Gi
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cas.testing.seaweed import SeaweedServer
-from tests.prerequisites import require, require_weed
+from tests.prerequisites import require_weed
 
 BUCKETS = 12
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 GiB tmpfs mounted under ``tmp_path`` (needs root, as CI has)."""
-    where = tmp_path / "small"
-    where.mkdir()
-    if os.geteuid() != 0:
-        require("mounting a small tmpfs needs root")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    require(None if mounted.returncode == 0 else f"mount tmpfs failed: {mounted.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "--lazy", str(where)], check=False)
-
-
+@pytest.mark.parametrize("small_disk", ["1g"], indirect=True)
 @pytest.mark.parametrize("free_mib", [1024, 8], ids=["empty", "99-percent-full"])
 def test_a_server_on_a_small_disk_takes_writes_in_a_dozen_buckets(
     small_disk: Path, free_mib: int
