@@ -8,6 +8,9 @@
 # module's fixtures start once and its tests keep their order: much of the suite waits (SeaweedFS
 # round trips, subprocesses, leases running out), so two workers cut the wall time by ~40% on two
 # cores. Each worker starts its own SeaweedFS. `bash scripts/test.sh -n 0` runs in one process.
+# The files are handed out in collection order, which tests/conftest.py starts with the slowest
+# (--no-loadscope-reorder: by default xdist hands out the files with the most tests first, and
+# the slowest file, with six tests, began last and ran on alone for minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -21,4 +24,5 @@ echo "== pytest"
 # it) every process a test starts (CLI runs, drain workers, killed writers) would compile cas
 # again, about 0.25 s each.
 .venv/bin/python -m compileall -q cas tests scripts
-.venv/bin/python -m pytest -p no:cacheprovider -q -n 2 --dist loadfile --durations=15 "$@"
+.venv/bin/python -m pytest -p no:cacheprovider -q -n 2 --dist loadfile --no-loadscope-reorder \
+    --durations=15 "$@"

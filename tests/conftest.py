@@ -98,8 +98,9 @@ SLOWEST_FIRST = (
     "test_bench_core.py",
 )
 """Test files that take a minute or more of a worker (``--durations``), started before the rest.
-The workers take whole files (``--dist loadfile``) in collection order; collected
-alphabetically, the slowest file began near the end and ran on alone for minutes."""
+The workers take whole files in collection order (``--dist loadfile --no-loadscope-reorder``,
+scripts/test.sh); handed out by their number of tests, the slowest file, with six, began near
+the end and ran on alone for minutes."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
