@@ -584,15 +584,15 @@ def run(quick: bool, root: Path) -> dict[str, Any]:
         results: dict[str, Any] = {
             "note": "one run on a shared, noisy 2-core machine; SeaweedFS on the same host",
             "model": size,
-            "stall": stall(size, root, every=5 if quick else 10, rounds=2 if quick else 5),
+            "stall": stall(size, root, every=5 if quick else 10, rounds=1 if quick else 5),
             # A loop that leaves a core free, as one waiting on a GPU does.
             "stall_loop_one_thread": stall(
-                size, root, every=5 if quick else 10, rounds=2 if quick else 5, threads=1
+                size, root, every=5 if quick else 10, rounds=1 if quick else 5, threads=1
             ),
             # The same, the loop's thread on one CPU and the drain and the S3 server on the
             # other: a job whose I/O helpers have cores of their own, and an S3 elsewhere.
             "stall_loop_one_thread_spare_core": spare_core_stall(
-                size, root, server, every=5 if quick else 10, rounds=2 if quick else 5
+                size, root, server, every=5 if quick else 10, rounds=1 if quick else 5
             ),
             "bytes": finetune(
                 size,
