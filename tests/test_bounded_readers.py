@@ -128,6 +128,16 @@ def test_a_document_over_its_budget_is_refused_before_anything_is_allocated() ->
     assert peak < 4 << 20
 
 
+UNPACK_TRACED = """
+import sys, tracemalloc, msgpack
+data = sys.stdin.buffer.read()
+tracemalloc.start()
+decoded = msgpack.unpackb(data, strict_map_key=False)
+print(tracemalloc.get_traced_memory()[0])
+"""
+"""Bytes still allocated after unpacking the document on stdin (the decoded value's)."""
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -150,16 +160,6 @@ def test_what_measure_charges_is_at_least_what_unpacking_takes(value: Any) -> No
     ).stdout
     assert msgpack.unpackb(data, strict_map_key=False) == value
     assert 0 < int(taken) <= charged
-
-
-UNPACK_TRACED = """
-import sys, tracemalloc, msgpack
-data = sys.stdin.buffer.read()
-tracemalloc.start()
-decoded = msgpack.unpackb(data, strict_map_key=False)
-print(tracemalloc.get_traced_memory()[0])
-"""
-"""Bytes still allocated after unpacking the document on stdin (the decoded value's)."""
 
 
 def test_a_chunk_named_a_million_times_is_charged_once(tmp_path: Path) -> None:
